@@ -1,0 +1,95 @@
+"""Flashlight's entry into Inductor: a wrapper around ``torch._inductor.compile_fx.compile_fx``.
+
+It installs the overlay's post-grad pass for the compilation and contains faults: if a graph fails to
+compile while the overlay is active, the same graph is compiled again with the overlay suspended, so the
+user's program gets upstream Inductor's result instead of an exception.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import threading
+from typing import Any, Callable
+
+import torch
+from torch._dynamo.utils import counters
+
+from inductor_overlay import config as overlay_config
+from inductor_overlay.fallback import describe, warn_once
+from inductor_overlay.state import overlay_active, suspended
+
+_entered = threading.local()
+
+# Exceptions Inductor and Dynamo use for control flow; they are not faults.
+_CONTROL_FLOW = (
+    torch._dynamo.exc.RestartAnalysis,
+    torch._dynamo.exc.SkipFrame,
+)
+
+
+def _clone_graph_module(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """A copy whose graph later passes may mutate without touching ``gm`` (tensors are shared)."""
+    clone = torch.fx.GraphModule(gm, copy.deepcopy(gm.graph), class_name=type(gm).__name__)
+    clone.meta = dict(gm.meta)
+    return clone
+
+
+def _post_grad_pass_config(overlay_on: bool) -> dict[str, Any]:
+    from torch._inductor import config as inductor_config
+
+    from inductor_overlay.fx_passes.post_grad import FlashlightPostGradPass
+
+    user_pass = inductor_config.post_grad_custom_post_pass
+    if isinstance(user_pass, FlashlightPostGradPass):
+        user_pass = user_pass.user_pass
+    return {"post_grad_custom_post_pass": FlashlightPostGradPass(user_pass) if overlay_on else user_pass}
+
+
+def contain_faults(inner_compile: Callable[..., Any]) -> Callable[..., Any]:
+    """Wrap Inductor's inner compiler (forward and backward graphs) with the fallback to upstream."""
+    if getattr(inner_compile, "_flashlight_contained", False):
+        return inner_compile
+
+    @functools.wraps(inner_compile)
+    def contained(gm: torch.fx.GraphModule, example_inputs: Any, **kwargs: Any) -> Any:
+        from torch._inductor import config as inductor_config
+
+        if not overlay_active():
+            return inner_compile(gm, example_inputs, **kwargs)
+        pristine = _clone_graph_module(gm) if overlay_config.fault_containment else None
+        try:
+            with inductor_config.patch(_post_grad_pass_config(overlay_on=True)):
+                return inner_compile(gm, example_inputs, **kwargs)
+        except _CONTROL_FLOW:
+            raise
+        except Exception as err:
+            if pristine is None:
+                raise
+            counters["inductor"]["flashlight_fault_fallback"] += 1
+            warn_once(
+                f"Flashlight: compiling a graph with the overlay failed ({describe(err)}); "
+                "it was compiled again on upstream Inductor's path"
+            )
+            with suspended(), inductor_config.patch(_post_grad_pass_config(overlay_on=False)):
+                return inner_compile(pristine, example_inputs, **kwargs)
+
+    contained._flashlight_contained = True  # type: ignore[attr-defined]
+    return contained
+
+
+def wrap_compile_fx(upstream_compile_fx: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(upstream_compile_fx)
+    def compile_fx(model_: Any, example_inputs_: Any, inner_compile: Any = None, *args: Any, **kwargs: Any) -> Any:
+        if inner_compile is None:
+            from torch._inductor.compile_fx import compile_fx_inner as inner_compile
+        if getattr(_entered, "depth", 0) or not overlay_active():
+            return upstream_compile_fx(model_, example_inputs_, inner_compile, *args, **kwargs)
+        counters["inductor"]["flashlight_compile_fx"] += 1
+        _entered.depth = 1
+        try:
+            return upstream_compile_fx(model_, example_inputs_, contain_faults(inner_compile), *args, **kwargs)
+        finally:
+            _entered.depth = 0
+
+    return compile_fx

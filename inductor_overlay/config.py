@@ -1,0 +1,19 @@
+"""Flashlight's configuration, in the style of ``torch._inductor.config`` (supports ``config.patch``).
+
+Every value here is part of the FX-graph cache key (see ``fx_passes.post_grad.FlashlightPostGradPass.uuid``).
+"""
+
+import os
+import sys
+
+from torch.utils._config_module import install_config_module
+
+# Master switch consulted at compile time. `flashlight.enabled(False)` and FLASHLIGHT_DISABLE=1 act on the patches
+# themselves; this flag is for tests and bisecting: patches stay installed but pass straight through.
+enabled: bool = True
+
+# If anything raises while the overlay is active, recompile the graph on upstream Inductor's path and warn once.
+fault_containment: bool = os.environ.get("FLASHLIGHT_FAULT_CONTAINMENT", "1") != "0"
+
+
+install_config_module(sys.modules[__name__])

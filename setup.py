@@ -1,0 +1,21 @@
+"""Flashlight: fused attention kernels from plain PyTorch, as an overlay on TorchInductor."""
+
+from setuptools import find_packages, setup
+
+setup(
+    name="flashlight-inductor",
+    version="0.1.0",
+    description="Fuses attention written in plain PyTorch into one online-softmax Triton kernel under torch.compile",
+    python_requires=">=3.10",
+    packages=find_packages(include=["flashlight*", "inductor_overlay*", "torch_patches*"]),
+    install_requires=[
+        "torch==2.11.0",
+        # Triton 3.6's interpreter (the CPU test path) needs NumPy 1.x for looped reductions.
+        "numpy<2",
+    ],
+    extras_require={"test": ["pytest>=7", "expecttest", "filelock"]},
+    entry_points={
+        # torch loads this group at the end of `import torch`; the hook only arms a lazy import hook.
+        "torch.backends": ["flashlight = flashlight._autoload:autoload"],
+    },
+)
