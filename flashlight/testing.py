@@ -1,0 +1,289 @@
+"""Compile and run Inductor's Triton kernels on the CPU, for tests and for users without a GPU.
+
+Inductor generates Triton code for CPU tensors when ``cpu_backend == "triton"``, and Triton's interpreter
+(``TRITON_INTERPRET=1``) runs it with NumPy. Two gaps remain on a machine with no GPU, bridged here inside
+:func:`cpu_triton` and undone when it exits:
+
+* Triton finds no active driver, but Inductor's codegen asks it for a target: a stub driver answers.
+* ``triton.language.extra.libdevice`` functions are empty stubs under the interpreter (they return None):
+  NumPy implementations stand in for the ones Inductor emits.
+
+Usage::
+
+    with flashlight.testing.cpu_triton():
+        out, code = flashlight.testing.compile_and_get_code(fn, q, k, v)
+    flashlight.testing.check_kernels(code, kernels=1)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+from typing import Any, Callable, Iterator, Sequence
+
+import numpy as np
+import torch
+
+_INTERPRET = "TRITON_INTERPRET"
+
+
+def _stub_driver() -> Any:
+    from triton.backends.compiler import GPUTarget
+    from triton.backends.driver import DriverBase
+
+    class InterpreterDriver(DriverBase):
+        """Answers codegen's questions (target, device) on a machine with no GPU driver."""
+
+        @classmethod
+        def is_active(cls) -> bool:
+            return False
+
+        def map_python_to_cpp_type(self, ty: str) -> str:
+            return ty
+
+        def get_current_target(self) -> Any:
+            return GPUTarget("cuda", 80, 32)
+
+        def get_active_torch_device(self) -> torch.device:
+            return torch.device("cpu")
+
+        def get_benchmarker(self) -> Any:
+            from triton.testing import do_bench
+
+            return do_bench
+
+    return InterpreterDriver()
+
+
+def _np_unary(fn: Callable[..., np.ndarray]) -> Callable[..., Any]:
+    def call(*args: Any, **_: Any) -> Any:
+        import triton.language as tl
+        from triton.runtime.interpreter import TensorHandle
+
+        tensors = [a for a in args if isinstance(a, tl.core.tensor)]
+        like = tensors[0]
+        data = [a.handle.data if isinstance(a, tl.core.tensor) else a for a in args]
+        with np.errstate(all="ignore"):
+            result = np.asarray(fn(*data))
+        if result.dtype == np.bool_:
+            return tl.core.tensor(TensorHandle(result, tl.int1), like.type.with_element_ty(tl.int1))
+        result = result.astype(like.handle.data.dtype, copy=False)
+        return tl.core.tensor(TensorHandle(result, like.handle.dtype.scalar), like.type)
+
+    return call
+
+
+def _erf(x: np.ndarray) -> np.ndarray:
+    import math
+
+    return np.vectorize(math.erf, otypes=[x.dtype])(x)
+
+
+_LIBDEVICE_NUMPY: dict[str, Callable[..., np.ndarray]] = {
+    "exp": np.exp,
+    "exp2": np.exp2,
+    "expm1": np.expm1,
+    "log": np.log,
+    "log2": np.log2,
+    "log10": np.log10,
+    "log1p": np.log1p,
+    "sqrt": np.sqrt,
+    "rsqrt": lambda x: 1.0 / np.sqrt(x),
+    "tanh": np.tanh,
+    "sin": np.sin,
+    "cos": np.cos,
+    "tan": np.tan,
+    "asin": np.arcsin,
+    "acos": np.arccos,
+    "atan": np.arctan,
+    "atan2": np.arctan2,
+    "sinh": np.sinh,
+    "cosh": np.cosh,
+    "asinh": np.arcsinh,
+    "acosh": np.arccosh,
+    "atanh": np.arctanh,
+    "erf": _erf,
+    "abs": np.abs,
+    "fabs": np.abs,
+    "floor": np.floor,
+    "ceil": np.ceil,
+    "trunc": np.trunc,
+    "round": np.round,
+    "nearbyint": np.rint,
+    "rint": np.rint,
+    "pow": np.power,
+    "fmod": np.fmod,
+    "fmax": np.fmax,
+    "fmin": np.fmin,
+    "copysign": np.copysign,
+    "hypot": np.hypot,
+    "isinf": np.isinf,
+    "isnan": np.isnan,
+    "isfinited": np.isfinite,
+    "finitef": np.isfinite,
+    "signbit": np.signbit,
+    "sigmoid": lambda x: 1.0 / (1.0 + np.exp(-x)),
+}
+
+
+@contextlib.contextmanager
+def _interpreter_libdevice() -> Iterator[None]:
+    from triton.language.extra import libdevice
+
+    saved = {name: getattr(libdevice, name) for name in _LIBDEVICE_NUMPY if hasattr(libdevice, name)}
+    try:
+        for name in saved:
+            setattr(libdevice, name, _np_unary(_LIBDEVICE_NUMPY[name]))
+        yield
+    finally:
+        for name, original in saved.items():
+            setattr(libdevice, name, original)
+
+
+@contextlib.contextmanager
+def _environment(name: str, value: str) -> Iterator[None]:
+    previous = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = previous
+
+
+@contextlib.contextmanager
+def _active_driver(driver: Any) -> Iterator[None]:
+    from triton.runtime.driver import driver as triton_driver
+
+    previous = triton_driver._active
+    triton_driver.set_active(driver)
+    try:
+        yield
+    finally:
+        triton_driver._active = previous
+
+
+@contextlib.contextmanager
+def _interpret_device_functions() -> Iterator[None]:
+    """Run ``@triton.jit`` helpers (``tl.sum``, Inductor's ``triton_helpers``) through the interpreter.
+
+    Helpers decorated before ``TRITON_INTERPRET`` was set are compiled-mode ``JITFunction``s, which refuse
+    to be called from Python; inside the block a call interprets the helper's source instead.
+    """
+    from triton.runtime.interpreter import InterpretedFunction
+    from triton.runtime.jit import JITFunction
+
+    interpreted: dict[int, InterpretedFunction] = {}
+
+    def call_interpreted(self: JITFunction, *args: Any, **kwargs: Any) -> Any:
+        helper = interpreted.setdefault(id(self), InterpretedFunction(self.fn))
+        return helper(*args, **kwargs)
+
+    original = JITFunction.__call__
+    JITFunction.__call__ = call_interpreted
+    try:
+        yield
+    finally:
+        JITFunction.__call__ = original
+
+
+@contextlib.contextmanager
+def cpu_triton() -> Iterator[None]:
+    """Inside the block, Inductor compiles CPU tensors to Triton and runs the kernels in the interpreter."""
+    from torch._inductor import config as inductor_config
+
+    if torch.cuda.is_available():
+        driver_context: Any = contextlib.nullcontext()
+    else:
+        driver_context = _active_driver(_stub_driver())
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(_environment(_INTERPRET, "1"))
+        stack.enter_context(driver_context)
+        stack.enter_context(_interpreter_libdevice())
+        stack.enter_context(_interpret_device_functions())
+        stack.enter_context(inductor_config.patch(cpu_backend="triton", compile_threads=1))
+        yield
+
+
+def compile_and_get_code(
+    fn: Callable[..., Any], *args: Any, fresh_cache: bool = True, **compile_kwargs: Any
+) -> tuple[Any, list[str]]:
+    """``torch.compile(fn, **compile_kwargs)(*args)``, compiled afresh; returns (output, generated sources)."""
+    from torch._inductor.utils import fresh_cache as fresh_inductor_cache, run_and_get_code
+
+    torch._dynamo.reset()
+    cache = fresh_inductor_cache() if fresh_cache else contextlib.nullcontext()
+    with cache:
+        return run_and_get_code(torch.compile(fn, **compile_kwargs), *args)
+
+
+_KERNEL_DEF = re.compile(r"@triton\.jit\s*\ndef (\w+)\(")
+
+
+def triton_kernels(code: str | Sequence[str]) -> dict[str, str]:
+    """Name -> source of every Triton kernel defined in the generated module(s)."""
+    text = code if isinstance(code, str) else "\n".join(code)
+    kernels = {}
+    for match in _KERNEL_DEF.finditer(text):
+        body_start = match.start()
+        end = text.find("''', device_str=", body_start)
+        kernels[match.group(1)] = text[body_start : end if end != -1 else len(text)]
+    return kernels
+
+
+def check_kernels(
+    code: str | Sequence[str],
+    kernels: int | None = None,
+    dots: int | None = None,
+    loops: int | None = None,
+    extern_calls: int | None = None,
+) -> None:
+    """FileCheck the generated code: number of Triton kernels, ``tl.dot`` calls, in-kernel loops, extern calls."""
+    from torch.testing import FileCheck
+
+    text = code if isinstance(code, str) else "\n".join(code)
+    if kernels is not None:
+        FileCheck().check_count("@triton.jit", kernels, exactly=True).run(text)
+    if dots is not None:
+        FileCheck().check_count("tl.dot(", dots, exactly=True).run(text)
+    if loops is not None:
+        FileCheck().check_count("in range(", loops, exactly=True).run("\n".join(triton_kernels(text).values()))
+    if extern_calls is not None:
+        FileCheck().check_count("extern_kernels.", extern_calls, exactly=True).run(text)
+
+
+def allocated_buffer_numels(code: str | Sequence[str]) -> list[int]:
+    """Element counts of every buffer the generated wrapper allocates (``empty_strided_*``)."""
+    text = code if isinstance(code, str) else "\n".join(code)
+    numels = []
+    for sizes in re.findall(r"empty_strided_\w+\(\(([^)]*)\)", text):
+        numel = 1
+        for size in filter(None, (s.strip() for s in sizes.split(","))):
+            numel *= int(size) if size.isdigit() else 0
+        numels.append(numel)
+    return numels
+
+
+def poisoned_like(t: torch.Tensor) -> torch.Tensor:
+    """A tensor of ``t``'s shape full of NaN (floating) or an extreme value, so unwritten elements show."""
+    if t.is_floating_point():
+        return torch.full_like(t, float("nan"))
+    return torch.full_like(t, torch.iinfo(t.dtype).max)
+
+
+def assert_close_to_reference(
+    actual: torch.Tensor, reference: torch.Tensor, *, rtol: float | None = None, atol: float | None = None
+) -> None:
+    """Compare against a float64 reference, NaN positions included (eager NaN rows must stay NaN)."""
+    defaults = {torch.float32: (1e-4, 1e-5), torch.float16: (2e-2, 2e-3), torch.bfloat16: (5e-2, 2e-2)}
+    default_rtol, default_atol = defaults.get(actual.dtype, (1e-6, 1e-7))
+    torch.testing.assert_close(
+        actual.double(),
+        reference.double(),
+        rtol=default_rtol if rtol is None else rtol,
+        atol=default_atol if atol is None else atol,
+        equal_nan=True,
+    )
