@@ -97,6 +97,9 @@ def apply(manifest: Sequence[Patch] | None = None) -> None:
     """Install every patch, or none: guard first, then swap all symbols, undoing on any failure."""
     if manifest is None:
         from torch_patches.manifest import MANIFEST as manifest
+    for patch in manifest:
+        # Import targets first: importing Inductor may itself trigger the autoload hook's apply().
+        importlib.import_module(patch.module)
     with _lock:
         if _originals:
             return
