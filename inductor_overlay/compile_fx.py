@@ -40,10 +40,10 @@ def _post_grad_pass_config(overlay_on: bool) -> dict[str, Any]:
 
     from inductor_overlay.fx_passes.post_grad import FlashlightPostGradPass
 
-    user_pass = inductor_config.post_grad_custom_post_pass
+    user_pass = inductor_config.post_grad_custom_pre_pass
     if isinstance(user_pass, FlashlightPostGradPass):
         user_pass = user_pass.user_pass
-    return {"post_grad_custom_post_pass": FlashlightPostGradPass(user_pass) if overlay_on else user_pass}
+    return {"post_grad_custom_pre_pass": FlashlightPostGradPass(user_pass) if overlay_on else user_pass}
 
 
 def contain_faults(inner_compile: Callable[..., Any]) -> Callable[..., Any]:

@@ -15,5 +15,8 @@ enabled: bool = True
 # If anything raises while the overlay is active, recompile the graph on upstream Inductor's path and warn once.
 fault_containment: bool = os.environ.get("FLASHLIGHT_FAULT_CONTAINMENT", "1") != "0"
 
+# Technique 1-4 together: fuse softmax(chain(q @ kᵀ)) @ v into one online-softmax Triton kernel.
+attention_fusion: bool = os.environ.get("FLASHLIGHT_ATTENTION_FUSION", "1") != "0"
+
 
 install_config_module(sys.modules[__name__])

@@ -84,12 +84,12 @@ def test_overlay_changes_the_fx_graph_cache_key():
 
     from inductor_overlay.compile_fx import _post_grad_pass_config
 
-    on = _post_grad_pass_config(overlay_on=True)["post_grad_custom_post_pass"]
+    on = _post_grad_pass_config(overlay_on=True)["post_grad_custom_pre_pass"]
     assert on is not None and on.uuid() is not None
-    with inductor_config.patch(post_grad_custom_post_pass=on):
-        nested = _post_grad_pass_config(overlay_on=True)["post_grad_custom_post_pass"]
+    with inductor_config.patch(post_grad_custom_pre_pass=on):
+        nested = _post_grad_pass_config(overlay_on=True)["post_grad_custom_pre_pass"]
         assert nested.user_pass is None, "the overlay pass must not wrap itself"
-    assert _post_grad_pass_config(overlay_on=False)["post_grad_custom_post_pass"] is None
+    assert _post_grad_pass_config(overlay_on=False)["post_grad_custom_pre_pass"] is None
     from inductor_overlay import config as overlay_config
 
     default_key = on.uuid()

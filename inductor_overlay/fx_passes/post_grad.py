@@ -1,4 +1,7 @@
-"""The overlay's post-grad pass, installed through Inductor's ``post_grad_custom_post_pass`` seam.
+"""The overlay's post-grad pass, installed through Inductor's ``post_grad_custom_pre_pass`` seam.
+
+It runs before upstream's post-grad pattern passes, so it sees softmax decomposed (amax, sub, exp, sum, div)
+rather than rewritten by ``config.online_softmax`` into ``prepare_softmax_online``.
 
 Its ``uuid()`` folds the overlay's version, config and source into Inductor's FX-graph cache key, so a
 cached kernel from another overlay version (or from upstream) is never reused by mistake.
@@ -15,12 +18,14 @@ import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from inductor_overlay import __version__, config
+from inductor_overlay.fx_passes.attention_fusion import fuse_attention
+from inductor_overlay.kernel import online_softmax_attention  # noqa: F401  (registers the fused op's lowering)
 from inductor_overlay.state import overlay_active
 
 GraphPass = Callable[[torch.fx.Graph], None]
 
 # Passes run in this order on every post-grad graph while the overlay is active.
-POST_GRAD_PASSES: list[GraphPass] = []
+POST_GRAD_PASSES: list[GraphPass] = [fuse_attention]
 
 
 @functools.lru_cache(maxsize=1)

@@ -1,0 +1,330 @@
+"""Find attention in a post-grad graph and replace it with one ``flashlight::online_softmax_attention`` node.
+
+The rule (technique 2, the algebraic rewrite). Three reductions over the same dim N of the logits ``x`` depend
+on each other: ``m = max_N x``, ``l = sum_N exp(x - m)``, ``o = sum_N (exp(x - m) / l) * V``. They may run as one
+pass with running state ``(m_i, l_i, acc)`` exactly when:
+
+1. the max is taken over the last dim of ``x`` and feeds only ``x - m`` under ``exp``. Then, because
+   ``exp(x - m) = exp(x - m') * exp(m' - m)`` (exp turns + into ×), a partial result computed under an old max
+   ``m`` becomes the one under a new max ``m'`` by one multiplication by ``alpha = exp(m - m')``;
+2. every other reduction over N is linear in ``exp(x - m)`` — the sum ``l`` and the matmul with V are — so
+   rescaling its partial result by ``alpha`` is exact;
+3. the normaliser ``l`` is constant along N (reduced over N, kept as a size-1 dim), so dividing by it commutes
+   with the sum over N of the matmul: ``(e / l) V = (e V) / l``, done once after the loop;
+4. no value of the fused region (scores, logits, probabilities) is used outside it; otherwise the M×N tensor
+   has to exist anyway and fusing would compute it twice.
+
+The logits ``x`` must come from ``q @ kᵀ`` (``bmm``/``mm``, the scores) through a chain of pointwise ops whose other
+inputs do not depend on the scores; that chain is moved into the kernel unchanged. Index arithmetic that feeds
+it (``iota``/``arange``, ``full``, views of them) moves in with it, so masks built from positions cost no memory;
+any other tensor it reads (bias, mask, ids, tables) is passed to the kernel and read at the tile's positions.
+Head dims up to ``MAX_HEAD_DIM`` are one tile (dimension elimination); larger ones decline.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import math
+from typing import Optional, Union
+
+import torch
+from torch._dynamo.utils import counters
+
+from inductor_overlay import config
+from inductor_overlay.ops import ScoreChain, register_score_chain
+
+log = logging.getLogger("inductor_overlay.attention_fusion")
+
+aten = torch.ops.aten
+prims = torch.ops.prims
+
+MAX_HEAD_DIM = 256
+_MATMULS = (aten.bmm.default, aten.mm.default)
+_RESHAPES = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
+# Ops that only re-type or re-view the probabilities on their way into the second matmul.
+_PROBABILITY_PASSTHROUGH = (*_RESHAPES, aten.expand.default, aten.clone.default, prims.convert_element_type.default)
+_VIEWS = (
+    *_RESHAPES,
+    aten.expand.default,
+    aten.unsqueeze.default,
+    aten.squeeze.dim,
+    aten.squeeze.dims,
+    aten.squeeze.default,
+    aten.permute.default,
+    aten.transpose.int,
+    aten.slice.Tensor,
+    aten.select.int,
+    aten.alias.default,
+    aten.clone.default,
+)
+_INDEX_SOURCES = (prims.iota.default, aten.full.default, aten.scalar_tensor.default, aten.index.Tensor)
+_FUSABLE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+@dataclasses.dataclass
+class Decline:
+    """Why a softmax feeding a matmul was left to upstream Inductor."""
+
+    reason: str
+
+
+@dataclasses.dataclass
+class AttentionRegion:
+    qk: torch.fx.Node  # the scores matmul, q @ kᵀ
+    score_root: torch.fx.Node  # qk, or its reshape to [*batch, M, N]
+    logits: torch.fx.Node  # x: the softmax input
+    pv: torch.fx.Node  # the output matmul, P @ V
+    chain: list[torch.fx.Node]  # ops from score_root to logits, moved into the kernel (graph order)
+    captured: list[torch.fx.Node]  # tensors the chain reads besides the scores
+    internal: set[torch.fx.Node]  # nodes that become dead once pv is replaced
+    probability_dtype: torch.dtype
+
+
+def _val(node: torch.fx.Node) -> Optional[torch.Tensor]:
+    value = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
+    return value if isinstance(value, torch.Tensor) else None
+
+
+def _is(node: object, targets: Union[tuple, object]) -> bool:
+    targets = targets if isinstance(targets, tuple) else (targets,)
+    return isinstance(node, torch.fx.Node) and node.op == "call_function" and node.target in targets
+
+
+def _reduces_last_dim_keepdim(node: torch.fx.Node, source: torch.fx.Node) -> bool:
+    dims = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
+    keepdim = node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False)
+    rank = _val(source).dim()
+    return keepdim and list(dims or []) in ([-1], [rank - 1])
+
+
+def _strip(node: torch.fx.Node, passthrough: tuple) -> tuple[torch.fx.Node, list[torch.fx.Node]]:
+    seen = []
+    while _is(node, passthrough):
+        seen.append(node)
+        node = node.args[0]
+    return node, seen
+
+
+def _match_normalised_exp(p: torch.fx.Node) -> Union[Decline, tuple[torch.fx.Node, list[torch.fx.Node]]]:
+    """Rules 1–3: ``p = exp(x - max_N x) / sum_N exp(x - max_N x)``; returns x and the softmax nodes."""
+    if not _is(p, aten.div.Tensor):
+        return Decline("the matmul's left operand is not a normalised exponential (softmax)")
+    exp, normaliser = p.args
+    if not (_is(exp, aten.exp.default) and _is(normaliser, aten.sum.dim_IntList) and normaliser.args[0] is exp):
+        return Decline("the division is not exp(..) / sum_N(exp(..))")
+    shifted = exp.args[0]
+    if not _is(shifted, aten.sub.Tensor):
+        return Decline("exp's argument is not logits minus their row max")
+    logits, row_max = shifted.args
+    if not (_is(row_max, aten.amax.default) and row_max.args[0] is logits):
+        return Decline("exp's argument is not shifted by the max of the same logits (rule 1)")
+    if not (_reduces_last_dim_keepdim(row_max, logits) and _reduces_last_dim_keepdim(normaliser, exp)):
+        return Decline("max and sum do not both reduce the last dim with keepdim (rules 1 and 3)")
+    return logits, [row_max, shifted, exp, normaliser, p]
+
+
+def _is_inlinable(node: torch.fx.Node) -> bool:
+    if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+        return False
+    tags = node.target.tags
+    if torch.Tag.nondeterministic_seeded in tags:
+        return False
+    return torch.Tag.pointwise in tags or node.target in (*_VIEWS, *_INDEX_SOURCES, prims.convert_element_type.default)
+
+
+def _depends_on(node: torch.fx.Node, target: torch.fx.Node, memo: dict) -> bool:
+    if node is target:
+        return True
+    if node not in memo:
+        memo[node] = any(_depends_on(arg, target, memo) for arg in node.all_input_nodes)
+    return memo[node]
+
+
+def _collect_chain(
+    logits: torch.fx.Node, qk: torch.fx.Node
+) -> Union[Decline, tuple[torch.fx.Node, list[torch.fx.Node], list[torch.fx.Node]]]:
+    """Walk back from the logits to the scores; split what moves into the kernel from what is read by it."""
+    on_score_path: dict = {}
+    score_root = None
+    chain: set[torch.fx.Node] = set()
+    captured: dict[torch.fx.Node, None] = {}
+    logits_shape = tuple(_val(logits).shape)
+    stack = [logits]
+    while stack:
+        node = stack.pop()
+        if node in chain or node in captured or node is score_root:
+            continue
+        if node is qk or (_is(node, _RESHAPES) and node.args[0] is qk):
+            if tuple(_val(node).shape) != logits_shape:
+                return Decline("the scores are re-viewed (not [..., M, N]) before the softmax")
+            if score_root is not None and score_root is not node:
+                return Decline("the scores enter the softmax through two different views")
+            score_root = node
+            continue
+        if _depends_on(node, qk, on_score_path):
+            if not _is_inlinable(node) or _is(node, _VIEWS + _INDEX_SOURCES):
+                return Decline(f"`{node.target}` between the matmul and the softmax is not elementwise on the scores")
+            if tuple(_val(node).shape) != logits_shape:
+                return Decline(f"`{node.target}` on the scores changes their shape")
+        elif not _is_inlinable(node):
+            captured[node] = None
+            continue
+        chain.add(node)
+        stack.extend(node.all_input_nodes)
+    if score_root is None:
+        return Decline("the softmax input does not come from a matmul")
+    ordered = [n for n in logits.graph.nodes if n in chain]
+    return score_root, ordered, list(captured)
+
+
+def _emits_triton(device: torch.device) -> bool:
+    from torch._inductor import config as inductor_config
+
+    return device.type == "cuda" or (device.type == "cpu" and inductor_config.cpu_backend == "triton")
+
+
+def _matmul_operands(mm: torch.fx.Node) -> tuple[torch.fx.Node, torch.fx.Node]:
+    return mm.args[0], mm.args[1]
+
+
+def find_attention(pv: torch.fx.Node) -> Union[Decline, AttentionRegion]:
+    """Decide whether ``pv`` is the output matmul of a fusable attention, by rules 1–4 of the module doc."""
+    p_operand, v = _matmul_operands(pv)
+    p, passthrough = _strip(p_operand, _PROBABILITY_PASSTHROUGH)
+    matched = _match_normalised_exp(p)
+    if isinstance(matched, Decline):
+        return matched
+    logits, softmax_nodes = matched
+    if _val(logits) is None or _val(logits).dim() < 2:
+        return Decline("the logits have no static metadata")
+    qk_candidates = [n for n in logits.graph.nodes if _is(n, _MATMULS) and n is not pv]
+    qk = next((n for n in reversed(qk_candidates) if _depends_on(logits, n, {})), None)
+    if qk is None:
+        return Decline("the softmax input does not come from a matmul")
+    collected = _collect_chain(logits, qk)
+    if isinstance(collected, Decline):
+        return collected
+    score_root, chain, captured = collected
+    if any(_depends_on(c, qk, {}) for c in captured):
+        return Decline("a tensor read by the score chain depends on the scores")
+
+    q, kt = _matmul_operands(qk)
+    if not _emits_triton(_val(q).device):
+        return Decline(f"Inductor does not generate Triton code for {_val(q).device.type} tensors here")
+    for name, operand in (("q", q), ("k", kt), ("v", v), ("probabilities", p_operand)):
+        value = _val(operand)
+        if value is None or value.dtype not in _FUSABLE_DTYPES:
+            return Decline(f"{name} has dtype {getattr(value, 'dtype', None)}; fused kernels take fp16/bf16/fp32")
+    head_dims = (_val(q).shape[-1], _val(v).shape[-1])
+    if not all(isinstance(d, int) for d in head_dims):
+        return Decline("a head dim is dynamic; dimension elimination needs it static")
+    if max(head_dims) > MAX_HEAD_DIM:
+        return Decline(f"head dim {max(head_dims)} exceeds {MAX_HEAD_DIM}, the largest kept whole in one tile")
+    if math.prod(_val(score_root).shape) != math.prod(_val(p_operand).shape):
+        return Decline("the probabilities are broadcast before the output matmul")
+
+    scores = [qk] + ([score_root] if score_root is not qk else [])
+    internal = set(scores) | {n for n in chain if _depends_on(n, qk, {})} | set(softmax_nodes) | set(passthrough)
+    for node in internal:
+        outside = [u for u in node.users if u not in internal and u is not pv]
+        if outside:
+            return Decline(f"`{node.name}` is also used outside the attention (rule 4), e.g. by `{outside[0].name}`")
+    return AttentionRegion(
+        qk=qk,
+        score_root=score_root,
+        logits=logits,
+        pv=pv,
+        chain=chain,
+        captured=captured,
+        internal=internal,
+        probability_dtype=_val(p_operand).dtype,
+    )
+
+
+def _score_chain_module(region: AttentionRegion) -> torch.fx.GraphModule:
+    """The chain from scores to logits as its own graph: (scores, *captured) -> logits."""
+    graph = torch.fx.Graph()
+    env = {region.score_root: graph.placeholder("scores")}
+    for index, tensor in enumerate(region.captured):
+        env[tensor] = graph.placeholder(f"captured_{index}")
+    for node in region.chain:
+        env[node] = graph.node_copy(node, lambda arg: env[arg])
+    graph.output(env[region.logits])
+    return torch.fx.GraphModule(torch.nn.Module(), graph)
+
+
+def _as_batched(graph: torch.fx.Graph, node: torch.fx.Node) -> torch.fx.Node:
+    """``mm`` operands get a batch dim of one so both matmul forms share one kernel."""
+    if _val(node).dim() == 3:
+        return node
+    batched = graph.call_function(aten.unsqueeze.default, (node, 0))
+    batched.meta["val"] = _val(node).unsqueeze(0)
+    return batched
+
+
+def fuse(region: AttentionRegion) -> torch.fx.Node:
+    graph = region.pv.graph
+    score_shape = _val(region.score_root).shape
+    chain_id = register_score_chain(
+        ScoreChain(
+            graph_module=_score_chain_module(region),
+            batch_shape=tuple(score_shape[:-2]) or (1,),
+            score_dtype=_val(region.qk).dtype,
+            probability_dtype=region.probability_dtype,
+        )
+    )
+    q, kt = _matmul_operands(region.qk)
+    v = region.pv.args[1]
+    with graph.inserting_before(region.pv):
+        q, kt, v = (_as_batched(graph, t) for t in (q, kt, v))
+        fused = graph.call_function(
+            torch.ops.flashlight.online_softmax_attention.default, (q, kt, v, list(region.captured), chain_id)
+        )
+        fake_mode = torch._guards.detect_fake_mode([_val(q)])
+        with fake_mode or contextlib.nullcontext():
+            fused.meta["val"] = torch.ops.flashlight.online_softmax_attention.default(
+                _val(q), _val(kt), _val(v), [_val(c) for c in region.captured], chain_id
+            )
+        result = fused
+        if _val(region.pv).dim() == 2:
+            result = graph.call_function(aten.squeeze.dim, (fused, 0))
+            result.meta["val"] = fused.meta["val"].squeeze(0)
+    region.pv.replace_all_uses_with(result)
+    return fused
+
+
+def fuse_attention(graph: torch.fx.Graph) -> None:
+    """Post-grad pass: every fusable softmax→matmul becomes one fused attention node."""
+    if not config.attention_fusion:
+        return
+    changed = False
+    for pv in [n for n in graph.nodes if _is(n, _MATMULS)]:
+        if _val(pv.args[0]) is None:
+            continue
+        outcome = find_attention(pv)
+        if isinstance(outcome, Decline):
+            if _looks_like_softmax_input(pv):
+                counters["inductor"]["flashlight_attention_declined"] += 1
+                log.info("attention not fused at %s: %s", pv.name, outcome.reason)
+            continue
+        fuse(outcome)
+        changed = True
+        counters["inductor"]["flashlight_attention_fused"] += 1
+        log.info(
+            "attention fused at %s: scores %s, %d chain ops moved into the kernel, %d tensors read by it",
+            pv.name,
+            tuple(_val(outcome.score_root).shape),
+            len(outcome.chain),
+            len(outcome.captured),
+        )
+    if changed:
+        graph.eliminate_dead_code()
+        graph.lint()
+
+
+def _looks_like_softmax_input(pv: torch.fx.Node) -> bool:
+    """Only report declines for matmuls fed by a softmax-like op, not for every matmul in a model."""
+    p, _ = _strip(pv.args[0], _PROBABILITY_PASSTHROUGH)
+    return _is(p, (aten.div.Tensor, aten.mul.Tensor, aten.exp.default))

@@ -1,0 +1,55 @@
+"""``flashlight::online_softmax_attention``: the fused node the attention pass puts into the post-grad graph.
+
+``out[z] = softmax_N(chain(q[z] @ kt[z])) @ v[z]`` where ``chain`` is the user's own pointwise program between
+the two matmuls (a GraphModule kept in :data:`SCORE_CHAINS`, keyed by the op's ``chain_id``). Operands are
+batch-flattened: q ``[Z, M, D]``, kt ``[Z, D, N]``, v ``[Z, N, Dv]``; the chain sees scores shaped
+``[*batch, M, N]`` with ``prod(batch) == Z``, exactly as in the user's graph.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+
+import torch
+
+
+@dataclasses.dataclass(frozen=True)
+class ScoreChain:
+    """The user's pointwise program from raw scores ``q @ kt`` to softmax logits."""
+
+    graph_module: torch.fx.GraphModule
+    batch_shape: tuple  # leading dims of the score tensor; their product is Z
+    score_dtype: torch.dtype  # dtype of q @ kt in the user's graph
+    probability_dtype: torch.dtype  # dtype the probabilities had when they met v
+
+
+SCORE_CHAINS: dict[int, ScoreChain] = {}
+_next_chain_id = itertools.count()
+
+
+def register_score_chain(chain: ScoreChain) -> int:
+    chain_id = next(_next_chain_id)
+    SCORE_CHAINS[chain_id] = chain
+    return chain_id
+
+
+_library = torch.library.Library("flashlight", "DEF")
+_library.define(
+    "online_softmax_attention(Tensor q, Tensor kt, Tensor v, Tensor[] captured, int chain_id) -> Tensor"
+)
+
+
+@torch.library.impl(_library, "online_softmax_attention", "CompositeExplicitAutograd")
+def online_softmax_attention_eager(q, kt, v, captured, chain_id):
+    """The unfused meaning of the op, written as the user's graph computes it."""
+    chain = SCORE_CHAINS[chain_id]
+    scores = torch.bmm(q, kt).view(*chain.batch_shape, q.shape[1], kt.shape[2])
+    logits = chain.graph_module(scores, *captured)
+    probabilities = torch.softmax(logits, dim=-1).to(chain.probability_dtype)
+    return torch.bmm(probabilities.reshape(q.shape[0], q.shape[1], kt.shape[2]), v)
+
+
+@torch.library.register_fake("flashlight::online_softmax_attention")
+def online_softmax_attention_fake(q, kt, v, captured, chain_id):
+    return q.new_empty(q.shape[0], q.shape[1], v.shape[2], dtype=v.dtype)
