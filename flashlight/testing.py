@@ -209,15 +209,19 @@ def cpu_triton() -> Iterator[None]:
 
 
 def compile_and_get_code(
-    fn: Callable[..., Any], *args: Any, fresh_cache: bool = True, **compile_kwargs: Any
+    fn: Callable[..., Any],
+    *args: Any,
+    compile_options: dict[str, Any] | None = None,
+    fresh_cache: bool = True,
+    **kwargs: Any,
 ) -> tuple[Any, list[str]]:
-    """``torch.compile(fn, **compile_kwargs)(*args)``, compiled afresh; returns (output, generated sources)."""
+    """``torch.compile(fn, **compile_options)(*args, **kwargs)``, compiled afresh; returns (output, sources)."""
     from torch._inductor.utils import fresh_cache as fresh_inductor_cache, run_and_get_code
 
     torch._dynamo.reset()
     cache = fresh_inductor_cache() if fresh_cache else contextlib.nullcontext()
     with cache:
-        return run_and_get_code(torch.compile(fn, **compile_kwargs), *args)
+        return run_and_get_code(torch.compile(fn, **(compile_options or {})), *args, **kwargs)
 
 
 _KERNEL_DEF = re.compile(r"@triton\.jit\s*\ndef (\w+)\(")

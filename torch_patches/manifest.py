@@ -12,6 +12,12 @@ def _wrap_compile_fx(original):
     return wrap_compile_fx(original)
 
 
+def _wrap_sfdp_params_check(original):
+    from inductor_overlay.fx_passes.fuse_attention import wrap_sfdp_params_check
+
+    return wrap_sfdp_params_check(original)
+
+
 MANIFEST: tuple[Patch, ...] = (
     Patch(
         module="torch._inductor.compile_fx",
@@ -19,5 +25,12 @@ MANIFEST: tuple[Patch, ...] = (
         make_replacement=_wrap_compile_fx,
         fingerprint="c85e422d8baa3e33766cbbe2edba50fb9b72225827eb5d281a7dff02ecb4f4d9",
         why="entry point: installs the overlay's post-grad pass and falls back to upstream on any overlay fault",
+    ),
+    Patch(
+        module="torch._inductor.fx_passes.fuse_attention",
+        qualname="_sfdp_params_check",
+        make_replacement=_wrap_sfdp_params_check,
+        fingerprint="b69be414a84b5e655bb23c38ef3dadb0890b53fcadabfc6787bbd9902e357f2a",
+        why="SDPA pattern policy: lets config.sdpa_pattern_policy='flashlight' decline upstream's rewrite to SDPA",
     ),
 )

@@ -43,8 +43,6 @@ prims = torch.ops.prims
 MAX_HEAD_DIM = 256
 _MATMULS = (aten.bmm.default, aten.mm.default)
 _RESHAPES = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
-# Ops that only re-type or re-view the probabilities on their way into the second matmul.
-_PROBABILITY_PASSTHROUGH = (*_RESHAPES, aten.expand.default, aten.clone.default, prims.convert_element_type.default)
 _VIEWS = (
     *_RESHAPES,
     aten.expand.default,
@@ -80,6 +78,10 @@ class AttentionRegion:
     captured: list[torch.fx.Node]  # tensors the chain reads besides the scores
     internal: set[torch.fx.Node]  # nodes that become dead once pv is replaced
     probability_dtype: torch.dtype
+    logit_scale: float  # positive constant the softmax applies to the logits
+    operand_scale: float  # constant factor taken off q or k (moved onto the scores, where it is free)
+    q: torch.fx.Node
+    kt: torch.fx.Node
 
 
 def _val(node: torch.fx.Node) -> Optional[torch.Tensor]:
@@ -99,6 +101,33 @@ def _reduces_last_dim_keepdim(node: torch.fx.Node, source: torch.fx.Node) -> boo
     return keepdim and list(dims or []) in ([-1], [rank - 1])
 
 
+def _preserves_element_order(node: torch.fx.Node) -> bool:
+    """A view that keeps the row-major order of elements: reshapes, size-1 dims added/removed or moved,
+    expands that expand nothing. Across such views the flat index of an element does not change."""
+    if _is(node, (*_RESHAPES, aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default,
+                  aten.clone.default, aten.alias.default)):
+        return True
+    if not (_is(node, (aten.expand.default, aten.permute.default)) and isinstance(node.args[0], torch.fx.Node)):
+        return False
+    source = _val(node.args[0])
+    if source is None:
+        return False
+    if _is(node, aten.expand.default):
+        return tuple(_val(node).shape) == tuple(source.shape)
+    if _is(node, aten.permute.default):
+        moved = [d for d in node.args[1] if source.shape[d] != 1]
+        return moved == sorted(moved)
+    return False
+
+
+def _strip_order_preserving(node: torch.fx.Node, also: tuple = ()) -> tuple[torch.fx.Node, list[torch.fx.Node]]:
+    seen = []
+    while isinstance(node, torch.fx.Node) and (_preserves_element_order(node) or _is(node, also)):
+        seen.append(node)
+        node = node.args[0]
+    return node, seen
+
+
 def _strip(node: torch.fx.Node, passthrough: tuple) -> tuple[torch.fx.Node, list[torch.fx.Node]]:
     seen = []
     while _is(node, passthrough):
@@ -107,14 +136,26 @@ def _strip(node: torch.fx.Node, passthrough: tuple) -> tuple[torch.fx.Node, list
     return node, seen
 
 
-def _match_normalised_exp(p: torch.fx.Node) -> Union[Decline, tuple[torch.fx.Node, list[torch.fx.Node]]]:
-    """Rules 1–3: ``p = exp(x - max_N x) / sum_N exp(x - max_N x)``; returns x and the softmax nodes."""
+def _positive_constant(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
+
+
+def _match_normalised_exp(p: torch.fx.Node) -> Union[Decline, tuple[torch.fx.Node, list[torch.fx.Node], float]]:
+    """Rules 1–3: ``p = exp(c·(x - max_N x)) / sum_N exp(c·(x - max_N x))``; returns x, the softmax nodes and c.
+
+    A positive constant c (upstream folds a softmax's scale this way) commutes with the max: c·max x = max c·x,
+    so the logits are c·x.
+    """
     if not _is(p, aten.div.Tensor):
         return Decline("the matmul's left operand is not a normalised exponential (softmax)")
     exp, normaliser = p.args
     if not (_is(exp, aten.exp.default) and _is(normaliser, aten.sum.dim_IntList) and normaliser.args[0] is exp):
         return Decline("the division is not exp(..) / sum_N(exp(..))")
-    shifted = exp.args[0]
+    shifted, logit_scale, scaling = exp.args[0], 1.0, []
+    if _is(shifted, (aten.mul.Tensor, aten.div.Tensor)) and _positive_constant(shifted.args[1]):
+        factor = float(shifted.args[1])
+        logit_scale = factor if shifted.target is aten.mul.Tensor else 1.0 / factor
+        scaling, shifted = [shifted], shifted.args[0]
     if not _is(shifted, aten.sub.Tensor):
         return Decline("exp's argument is not logits minus their row max")
     logits, row_max = shifted.args
@@ -122,7 +163,7 @@ def _match_normalised_exp(p: torch.fx.Node) -> Union[Decline, tuple[torch.fx.Nod
         return Decline("exp's argument is not shifted by the max of the same logits (rule 1)")
     if not (_reduces_last_dim_keepdim(row_max, logits) and _reduces_last_dim_keepdim(normaliser, exp)):
         return Decline("max and sum do not both reduce the last dim with keepdim (rules 1 and 3)")
-    return logits, [row_max, shifted, exp, normaliser, p]
+    return logits, [row_max, shifted, *scaling, exp, normaliser, p], logit_scale
 
 
 def _is_inlinable(node: torch.fx.Node) -> bool:
@@ -156,7 +197,7 @@ def _collect_chain(
         node = stack.pop()
         if node in chain or node in captured or node is score_root:
             continue
-        if node is qk or (_is(node, _RESHAPES) and node.args[0] is qk):
+        if node is qk or _strip_order_preserving(node)[0] is qk:
             if tuple(_val(node).shape) != logits_shape:
                 return Decline("the scores are re-viewed (not [..., M, N]) before the softmax")
             if score_root is not None and score_root is not node:
@@ -189,14 +230,47 @@ def _matmul_operands(mm: torch.fx.Node) -> tuple[torch.fx.Node, torch.fx.Node]:
     return mm.args[0], mm.args[1]
 
 
+_OPERAND_VIEWS = (*_RESHAPES, aten.expand.default, aten.permute.default, aten.transpose.int, aten.clone.default)
+
+
+def _operand_scale(operand: torch.fx.Node) -> tuple[Optional[torch.fx.Node], float]:
+    """``view(s)(t * c)`` or ``view(s)(t / c)`` with a constant c: (the scaling node, c), else (None, 1).
+
+    A dot is linear in each operand, so ``(c·q) kᵀ = c·(q kᵀ)``: the constant moves onto the scores, where the
+    chain applies it to the tile in registers instead of in a separate pass over q.
+    """
+    base, _ = _strip(operand, _OPERAND_VIEWS)
+    if not (_is(base, (aten.mul.Tensor, aten.div.Tensor)) and len(base.users) == 1):
+        return None, 1.0
+    factor = base.args[1]
+    if not isinstance(factor, (int, float)) or isinstance(factor, bool) or factor == 0:
+        return None, 1.0
+    return base, float(factor) if base.target is aten.mul.Tensor else 1.0 / float(factor)
+
+
+def _replay_views_without_scale(graph: torch.fx.Graph, operand: torch.fx.Node, scaling: torch.fx.Node) -> torch.fx.Node:
+    """The operand's chain of views, re-applied to the unscaled tensor."""
+    views = []
+    node = operand
+    while node is not scaling:
+        views.append(node)
+        node = node.args[0]
+    replayed = scaling.args[0]
+    for view in reversed(views):
+        new = graph.call_function(view.target, (replayed, *view.args[1:]), dict(view.kwargs))
+        new.meta["val"] = view.target(_val(replayed), *view.args[1:], **view.kwargs)
+        replayed = new
+    return replayed
+
+
 def find_attention(pv: torch.fx.Node) -> Union[Decline, AttentionRegion]:
     """Decide whether ``pv`` is the output matmul of a fusable attention, by rules 1–4 of the module doc."""
     p_operand, v = _matmul_operands(pv)
-    p, passthrough = _strip(p_operand, _PROBABILITY_PASSTHROUGH)
+    p, passthrough = _strip_order_preserving(p_operand, also=(prims.convert_element_type.default,))
     matched = _match_normalised_exp(p)
     if isinstance(matched, Decline):
         return matched
-    logits, softmax_nodes = matched
+    logits, softmax_nodes, logit_scale = matched
     if _val(logits) is None or _val(logits).dim() < 2:
         return Decline("the logits have no static metadata")
     qk_candidates = [n for n in logits.graph.nodes if _is(n, _MATMULS) and n is not pv]
@@ -225,7 +299,12 @@ def find_attention(pv: torch.fx.Node) -> Union[Decline, AttentionRegion]:
     if math.prod(_val(score_root).shape) != math.prod(_val(p_operand).shape):
         return Decline("the probabilities are broadcast before the output matmul")
 
-    scores = [qk] + ([score_root] if score_root is not qk else [])
+    operand_scale = 1.0
+    for operand in (q, kt):
+        scaling, factor = _operand_scale(operand)
+        if scaling is not None:
+            operand_scale *= factor
+    scores = [qk, *_strip_order_preserving(score_root)[1]]
     internal = set(scores) | {n for n in chain if _depends_on(n, qk, {})} | set(softmax_nodes) | set(passthrough)
     for node in internal:
         outside = [u for u in node.users if u not in internal and u is not pv]
@@ -240,18 +319,28 @@ def find_attention(pv: torch.fx.Node) -> Union[Decline, AttentionRegion]:
         captured=captured,
         internal=internal,
         probability_dtype=_val(p_operand).dtype,
+        logit_scale=logit_scale,
+        operand_scale=operand_scale,
+        q=q,
+        kt=kt,
     )
 
 
 def _score_chain_module(region: AttentionRegion) -> torch.fx.GraphModule:
     """The chain from scores to logits as its own graph: (scores, *captured) -> logits."""
     graph = torch.fx.Graph()
-    env = {region.score_root: graph.placeholder("scores")}
+    scores = graph.placeholder("scores")
+    env = {region.score_root: scores}
     for index, tensor in enumerate(region.captured):
         env[tensor] = graph.placeholder(f"captured_{index}")
+    if region.operand_scale != 1.0:
+        env[region.score_root] = graph.call_function(aten.mul.Tensor, (scores, region.operand_scale))
     for node in region.chain:
         env[node] = graph.node_copy(node, lambda arg: env[arg])
-    graph.output(env[region.logits])
+    logits = env[region.logits]
+    if region.logit_scale != 1.0:
+        logits = graph.call_function(aten.mul.Tensor, (logits, region.logit_scale))
+    graph.output(logits)
     return torch.fx.GraphModule(torch.nn.Module(), graph)
 
 
@@ -275,9 +364,12 @@ def fuse(region: AttentionRegion) -> torch.fx.Node:
             probability_dtype=region.probability_dtype,
         )
     )
-    q, kt = _matmul_operands(region.qk)
     v = region.pv.args[1]
     with graph.inserting_before(region.pv):
+        q, kt = (
+            _replay_views_without_scale(graph, operand, scaling) if scaling is not None else operand
+            for operand, (scaling, _) in ((op, _operand_scale(op)) for op in (region.q, region.kt))
+        )
         q, kt, v = (_as_batched(graph, t) for t in (q, kt, v))
         fused = graph.call_function(
             torch.ops.flashlight.online_softmax_attention.default, (q, kt, v, list(region.captured), chain_id)
@@ -326,5 +418,5 @@ def fuse_attention(graph: torch.fx.Graph) -> None:
 
 def _looks_like_softmax_input(pv: torch.fx.Node) -> bool:
     """Only report declines for matmuls fed by a softmax-like op, not for every matmul in a model."""
-    p, _ = _strip(pv.args[0], _PROBABILITY_PASSTHROUGH)
-    return _is(p, (aten.div.Tensor, aten.mul.Tensor, aten.exp.default))
+    p, _ = _strip_order_preserving(pv.args[0], also=(prims.convert_element_type.default,))
+    return _is(p, aten.exp.default) or (_is(p, aten.div.Tensor) and _is(p.args[0], aten.exp.default))

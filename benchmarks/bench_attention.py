@@ -1,0 +1,192 @@
+"""GPU benchmark: each variant of benchmarks/variants.py against eager, default torch.compile, FlexAttention, SDPA.
+
+    python -m benchmarks.bench_attention --variants vanilla,causal --shapes 4x32x4096x64,8x16x2048x128 --out DIR
+
+Times are medians of ``triton.testing.do_bench``; every row is checked against a float32 reference computed
+from the same inputs. Results: ``DIR/results.csv`` and ``DIR/results.md``, with device, versions and date per row.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import datetime
+import math
+import pathlib
+import time
+from typing import Any, Callable, Optional
+
+import torch
+
+import flashlight
+from benchmarks.variants import VARIANTS, Shape, Variant, make_inputs
+from inductor_overlay import config as overlay_config
+
+COLUMNS = "variant,impl,B,H,M,N,D,dtype,ms,tflops,rel_err,compile_s,device,torch,triton,date".split(",")
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def parse_shape(text: str) -> Shape:
+    b, h, s, d = (int(x) for x in text.split("x"))
+    return Shape(B=b, H=h, M=s, N=s, D=d)
+
+
+def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    out, ref = out.double(), ref.double()
+    if out.shape != ref.shape:
+        return float("inf")
+    return float((out - ref).norm() / ref.norm())
+
+
+def flops(shape: Shape, variant: Variant) -> float:
+    return 2.0 * shape.B * shape.H * shape.M * shape.N * (shape.D + shape.value_dim) * variant.visible_fraction(shape)
+
+
+def compiled(fn: Callable, overlay: bool, **policy: Any) -> Callable:
+    """torch.compile(fn) whose compilation happens now, with the overlay on or off."""
+
+    def first_call(*args: Any, **kwargs: Any) -> tuple[Callable, Any]:
+        torch._dynamo.reset()
+        compiled_fn = torch.compile(fn, dynamic=False)
+        with flashlight.enabled(overlay), overlay_config.patch(**policy):
+            out = compiled_fn(*args, **kwargs)
+        return compiled_fn, out
+
+    return first_call
+
+
+def flex_impl(variant: Variant, shape: Shape, extras: dict) -> Optional[tuple[Callable, float]]:
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    if variant.flex_score_mod is None and variant.flex_mask_mod is None:
+        return None
+    score_mod = variant.flex_score_mod(extras) if variant.flex_score_mod else None
+    block_mask, mask_seconds = None, 0.0
+    if variant.flex_mask_mod is not None:
+        start = time.perf_counter()
+        block_mask = create_block_mask(variant.flex_mask_mod(extras), shape.B, shape.H, shape.M, shape.N, device="cuda")
+        torch.cuda.synchronize()
+        mask_seconds = time.perf_counter() - start
+    flex = torch.compile(flex_attention, dynamic=False)
+
+    def run(q, k, v, **_):
+        return flex(q, k, v, score_mod=score_mod, block_mask=block_mask)
+
+    return run, mask_seconds
+
+
+def bench_one(variant: Variant, shape: Shape, dtype: torch.dtype, impls: list[str], stamp: dict, log: Callable) -> list[dict]:
+    import triton
+
+    q, k, v, extras = make_inputs(variant, shape, device="cuda", dtype=dtype)
+    with torch.no_grad():
+        ref = variant.reference(q.float(), k.float(), v.float(), **{n: t.float() if t.is_floating_point() else t for n, t in extras.items()})
+    rows = []
+    fn = variant.reference
+    for impl in impls:
+        compile_s = 0.0
+        counters = torch._dynamo.utils.counters
+        counters.clear()
+        try:
+            if impl == "eager":
+                run = fn
+            elif impl in ("compile", "flashlight", "flashlight_sdpa_off"):
+                policy = {"sdpa_pattern_policy": "flashlight"} if impl == "flashlight_sdpa_off" else {}
+                start = time.perf_counter()
+                run, _ = compiled(fn, overlay=impl != "compile", **policy)(q, k, v, **extras)
+                torch.cuda.synchronize()
+                compile_s = time.perf_counter() - start
+            elif impl == "flex":
+                made = flex_impl(variant, shape, extras)
+                if made is None:
+                    continue
+                run, mask_s = made
+                start = time.perf_counter()
+                run(q, k, v)
+                torch.cuda.synchronize()
+                compile_s = time.perf_counter() - start
+                log(f"  flex block mask built in {mask_s:.3f}s")
+            elif impl == "sdpa":
+                if variant.sdpa is None:
+                    continue
+                run = variant.sdpa
+            else:
+                raise ValueError(impl)
+            out = run(q, k, v, **extras)
+            err = relative_error(out, ref)
+            ms = triton.testing.do_bench(lambda: run(q, k, v, **extras), warmup=50, rep=200, return_mode="median")
+            fused = counters["inductor"]["flashlight_attention_fused"]
+            fell_back = counters["inductor"]["flashlight_fault_fallback"]
+        except Exception as err_:  # a failing implementation is a row with no time, not a dead run
+            log(f"  {impl}: FAILED {type(err_).__name__}: {str(err_)[:300]}")
+            ms, err, fused, fell_back = float("nan"), float("nan"), 0, 0
+        row = dict(
+            variant=variant.name, impl=impl, B=shape.B, H=shape.H, M=shape.M, N=shape.N, D=shape.D,
+            dtype=str(dtype).removeprefix("torch."), ms=round(ms, 4),
+            tflops=round(flops(shape, variant) / (ms * 1e-3) / 1e12, 1) if ms == ms else float("nan"),
+            rel_err=f"{err:.2e}", compile_s=round(compile_s, 2), **stamp,
+        )
+        rows.append(row)
+        note = f" fused={fused}" + (f" FALLBACK={fell_back}" if fell_back else "") if impl.startswith("flashlight") else ""
+        log(f"  {impl:20} {row['ms']:>9} ms {row['tflops']:>7} TFLOP/s err {row['rel_err']} compile {compile_s:.1f}s{note}")
+    del q, k, v, ref
+    torch.cuda.empty_cache()
+    return rows
+
+
+def markdown(rows: list[dict]) -> str:
+    lines = ["| variant | B×H×S×D | impl | ms | TFLOP/s | rel err | compile s | vs compile | vs flex | vs sdpa |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    by_case: dict = {}
+    for row in rows:
+        by_case.setdefault((row["variant"], row["B"], row["H"], row["M"], row["D"]), {})[row["impl"]] = row
+    for (variant, b, h, s, d), impls in by_case.items():
+        for impl, row in impls.items():
+            ratios = []
+            for base in ("compile", "flex", "sdpa"):
+                other = impls.get(base)
+                ratios.append(f"{other['ms'] / row['ms']:.2f}×" if other and row["ms"] == row["ms"] and other["ms"] == other["ms"] and impl != base else "")
+            lines.append(f"| {variant} | {b}×{h}×{s}×{d} | {impl} | {row['ms']} | {row['tflops']} | {row['rel_err']} | {row['compile_s']} | " + " | ".join(ratios) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--variants", default="vanilla,causal,alibi,softcap")
+    parser.add_argument("--shapes", default="4x32x4096x64,8x16x2048x128")
+    parser.add_argument("--impls", default="eager,compile,flashlight,flex,sdpa")
+    parser.add_argument("--dtype", default="bf16", choices=DTYPES)
+    parser.add_argument("--out", default="benchmarks/results/latest")
+    args = parser.parse_args()
+    import triton
+
+    out_dir = pathlib.Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    stamp = dict(
+        device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
+        date=datetime.date.today().isoformat(),
+    )
+    log_file = (out_dir / "log.txt").open("a")
+
+    def log(message: str) -> None:
+        print(message, flush=True)
+        log_file.write(message + "\n")
+        log_file.flush()
+
+    log(f"# {stamp}")
+    rows: list[dict] = []
+    csv_path = out_dir / "results.csv"
+    for variant_name in args.variants.split(","):
+        for shape_text in args.shapes.split(","):
+            shape = parse_shape(shape_text)
+            log(f"{variant_name} {shape_text}")
+            rows += bench_one(VARIANTS[variant_name], shape, DTYPES[args.dtype], args.impls.split(","), stamp, log)
+            with csv_path.open("w", newline="") as handle:
+                writer = csv.DictWriter(handle, fieldnames=COLUMNS)
+                writer.writeheader()
+                writer.writerows(rows)
+            (out_dir / "results.md").write_text(markdown(rows))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,24 @@
+"""Who takes attention that upstream's SDPA pattern matcher recognises: SDPA, or the overlay's fused kernel.
+
+Upstream's joint-graph pass (``torch/_inductor/fx_passes/fuse_attention.py``) rewrites the plain forms of
+attention into ``scaled_dot_product_attention`` before our post-grad pass sees them. ``config.sdpa_pattern_policy``
+decides: ``"sdpa"`` keeps upstream's rewrite, ``"flashlight"`` declines it so the overlay fuses the program itself.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable
+
+from inductor_overlay import config
+from inductor_overlay.state import overlay_active
+
+
+def wrap_sfdp_params_check(upstream_check: Callable[[Any], bool]) -> Callable[[Any], bool]:
+    @functools.wraps(upstream_check)
+    def _sfdp_params_check(match: Any) -> bool:
+        if overlay_active() and config.attention_fusion and config.sdpa_pattern_policy == "flashlight":
+            return False
+        return upstream_check(match)
+
+    return _sfdp_params_check
