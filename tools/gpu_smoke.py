@@ -1,0 +1,31 @@
+"""Quick GPU check: every variant idiom fuses into one kernel and matches a float32 reference (small shapes)."""
+
+import sys
+
+import torch
+from torch._inductor.utils import run_and_get_code
+
+import flashlight
+from benchmarks.variants import VARIANTS, Shape, make_inputs
+from flashlight import testing
+from inductor_overlay import config
+
+failures = 0
+for shape in (Shape(2, 4, 300, 300, 64), Shape(1, 2, 129, 77, 128)):
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        for variant in VARIANTS.values():
+            for idiom, fn in variant.idioms.items():
+                q, k, v, extras = make_inputs(variant, shape, device="cuda", dtype=dtype)
+                ref = fn(q.double(), k.double(), v.double(), **{n: t.double() if t.is_floating_point() else t for n, t in extras.items()})
+                torch._dynamo.reset()
+                torch._dynamo.utils.counters.clear()
+                with config.patch(sdpa_pattern_policy="flashlight"):
+                    out, code = run_and_get_code(torch.compile(fn), q, k, v, **extras)
+                kernels = list(testing.triton_kernels(code))
+                err = float((out.double() - ref).norm() / ref.norm())
+                fused = torch._dynamo.utils.counters["inductor"]["flashlight_attention_fused"]
+                ok = fused == 1 and len(kernels) == 1 and err < (2e-2 if dtype != torch.float32 else 1e-4)
+                failures += not ok
+                print(f"{'ok ' if ok else 'BAD'} {variant.name:15} {idiom:22} {str(dtype):15} {shape} kernels={len(kernels)} fused={fused} err={err:.2e}", flush=True)
+print("failures:", failures)
+sys.exit(1 if failures else 0)
