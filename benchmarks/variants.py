@@ -119,8 +119,9 @@ def _alibi_slopes(shape: Shape, device, dtype):
 
 def alibi_slopes_tensor(q, k, v, slopes):
     distance = torch.arange(k.shape[-2], device=q.device)[None, :] - torch.arange(q.shape[-2], device=q.device)[:, None]
+    scores = q @ k.transpose(-2, -1) * _scale(q)
     bias = slopes[:, None, None] * distance
-    return torch.softmax(q @ k.transpose(-2, -1) * _scale(q) + bias, dim=-1) @ v
+    return torch.softmax(scores + bias.to(scores.dtype), dim=-1) @ v
 
 
 ALIBI = Variant(
