@@ -19,6 +19,8 @@ from typing import Any, Callable, Optional
 import torch
 
 import flashlight
+
+flashlight.enable()  # explicit, so the scripts also run from a checkout that is not pip-installed
 from benchmarks.variants import VARIANTS, Shape, Variant, make_inputs
 from inductor_overlay import config as overlay_config
 

@@ -1,4 +1,4 @@
-"""Quick GPU check: every variant idiom fuses into one kernel and matches a float32 reference (small shapes)."""
+"""Run as `PYTHONPATH=. python tools/gpu_smoke.py`. Quick GPU check: every variant idiom fuses into one kernel and matches a float32 reference (small shapes)."""
 
 import sys
 
@@ -6,6 +6,8 @@ import torch
 from torch._inductor.utils import run_and_get_code
 
 import flashlight
+
+flashlight.enable()  # explicit, so the scripts also run from a checkout that is not pip-installed
 from benchmarks.variants import VARIANTS, Shape, make_inputs
 from flashlight import testing
 from inductor_overlay import config
