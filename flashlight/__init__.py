@@ -23,10 +23,16 @@ class FlashlightDisabledWarning(UserWarning):
 _guard_warned = False
 
 
+def _settle_autoload() -> None:
+    """Import Inductor's entry module now, so an armed autoload hook fires before state is read or changed."""
+    import torch._inductor.compile_fx  # noqa: F401
+
+
 def enable() -> bool:
     """Install the overlay's patches. Returns False (with one warning) if this torch cannot take them."""
     import torch_patches
 
+    _settle_autoload()
     try:
         torch_patches.apply()
     except torch_patches.PatchGuardError as err:
@@ -39,12 +45,14 @@ def disable() -> None:
     """Revert every patch: Inductor is upstream again (compilations already made keep their kernels)."""
     import torch_patches
 
+    _settle_autoload()
     torch_patches.revert()
 
 
 def is_enabled() -> bool:
     import torch_patches
 
+    _settle_autoload()
     return torch_patches.is_applied()
 
 

@@ -85,10 +85,14 @@ def wrap_compile_fx(upstream_compile_fx: Callable[..., Any]) -> Callable[..., An
             from torch._inductor.compile_fx import compile_fx_inner as inner_compile
         if getattr(_entered, "depth", 0) or not overlay_active():
             return upstream_compile_fx(model_, example_inputs_, inner_compile, *args, **kwargs)
+        from torch._inductor import config as inductor_config
+
         counters["inductor"]["flashlight_compile_fx"] += 1
         _entered.depth = 1
         try:
-            return upstream_compile_fx(model_, example_inputs_, contain_faults(inner_compile), *args, **kwargs)
+            # Set here, not only in the inner compiler, so AOTAutograd's cache key sees the overlay too.
+            with inductor_config.patch(_post_grad_pass_config(overlay_on=True)):
+                return upstream_compile_fx(model_, example_inputs_, contain_faults(inner_compile), *args, **kwargs)
         finally:
             _entered.depth = 0
 

@@ -1,5 +1,6 @@
 """Run as `PYTHONPATH=. python tools/gpu_smoke.py`. Quick GPU check: every variant idiom fuses into one kernel and matches a float32 reference (small shapes)."""
 
+import logging
 import sys
 
 import torch
@@ -12,6 +13,8 @@ from benchmarks.variants import VARIANTS, Shape, make_inputs
 from flashlight import testing
 from inductor_overlay import config
 
+logging.basicConfig(level=logging.WARNING)
+logging.getLogger("inductor_overlay").setLevel(logging.INFO)
 failures = 0
 CASES = [
     (Shape(2, 4, 300, 300, 64), torch.bfloat16),
