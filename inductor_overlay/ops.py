@@ -1,15 +1,17 @@
 """``flashlight::online_softmax_attention``: the fused node the attention pass puts into the post-grad graph.
 
 ``out[z] = softmax_N(chain(q[z] @ kt[z])) @ v[z]`` where ``chain`` is the user's own pointwise program between
-the two matmuls (a GraphModule kept in :data:`SCORE_CHAINS`, keyed by the op's ``chain_id``). Operands are
-batch-flattened: q ``[Z, M, D]``, kt ``[Z, D, N]``, v ``[Z, N, Dv]``; the chain sees scores shaped
-``[*batch, M, N]`` with ``prod(batch) == Z``, exactly as in the user's graph.
+the two matmuls (a GraphModule kept in :data:`SCORE_CHAINS`, keyed by the op's ``chain_id``). Each operand keeps the
+batch dims it had before the matmul flattened them (q ``[*bq, M, D]``, kt ``[*bk, D, N]``, v ``[*bv, N, Dv]``, each
+batch flattening row-major to the same Z entries); the output is ``[Z, M, Dv]``, as the matmul's was. The chain
+sees scores shaped ``[*batch, M, N]`` with ``prod(batch) == Z``, exactly as in the user's graph.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 
 import torch
 
@@ -36,20 +38,22 @@ def register_score_chain(chain: ScoreChain) -> int:
 
 _library = torch.library.Library("flashlight", "DEF")
 _library.define(
-    "online_softmax_attention(Tensor q, Tensor kt, Tensor v, Tensor[] captured, int chain_id) -> Tensor"
+    "online_softmax_attention(Tensor q, Tensor kt, Tensor v, Tensor[] captured, SymInt[] sizes, int chain_id) -> Tensor"
 )
 
 
 @torch.library.impl(_library, "online_softmax_attention", "CompositeExplicitAutograd")
-def online_softmax_attention_eager(q, kt, v, captured, chain_id):
+def online_softmax_attention_eager(q, kt, v, captured, sizes, chain_id):
     """The unfused meaning of the op, written as the user's graph computes it."""
     chain = SCORE_CHAINS[chain_id]
-    scores = torch.bmm(q, kt).view(*chain.batch_shape, q.shape[1], kt.shape[2])
-    logits = chain.graph_module(scores, *captured)
+    z, (m, d), (n, dv) = math.prod(chain.batch_shape), q.shape[-2:], v.shape[-2:]
+    scores = torch.bmm(q.reshape(z, m, d), kt.reshape(z, d, n)).view(*chain.batch_shape, m, n)
+    logits = chain.graph_module(scores, *captured, *sizes)
     probabilities = torch.softmax(logits, dim=-1).to(chain.probability_dtype)
-    return torch.bmm(probabilities.reshape(q.shape[0], q.shape[1], kt.shape[2]), v)
+    return torch.bmm(probabilities.reshape(z, m, n), v.reshape(z, n, dv))
 
 
 @torch.library.register_fake("flashlight::online_softmax_attention")
-def online_softmax_attention_fake(q, kt, v, captured, chain_id):
-    return q.new_empty(q.shape[0], q.shape[1], v.shape[2], dtype=v.dtype)
+def online_softmax_attention_fake(q, kt, v, captured, sizes, chain_id):
+    z = math.prod(SCORE_CHAINS[chain_id].batch_shape)
+    return q.new_empty(z, q.shape[-2], v.shape[-1], dtype=v.dtype)

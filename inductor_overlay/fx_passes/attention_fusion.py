@@ -75,13 +75,14 @@ class AttentionRegion:
     logits: torch.fx.Node  # x: the softmax input
     pv: torch.fx.Node  # the output matmul, P @ V
     chain: list[torch.fx.Node]  # ops from score_root to logits, moved into the kernel (graph order)
-    captured: list[torch.fx.Node]  # tensors the chain reads besides the scores
+    captured: list[torch.fx.Node]  # values the chain reads besides the scores: tensors, then dynamic sizes
     internal: set[torch.fx.Node]  # nodes that become dead once pv is replaced
     probability_dtype: torch.dtype
     logit_scale: float  # positive constant the softmax applies to the logits
     operand_scale: float  # constant factor taken off q or k (moved onto the scores, where it is free)
-    q: torch.fx.Node
+    q: torch.fx.Node  # operands as the kernel reads them: [*batch, M, D], [*batch, D, N], [*batch, N, Dv]
     kt: torch.fx.Node
+    v: torch.fx.Node
 
 
 def _val(node: torch.fx.Node) -> Optional[torch.Tensor]:
@@ -233,6 +234,16 @@ def _matmul_operands(mm: torch.fx.Node) -> tuple[torch.fx.Node, torch.fx.Node]:
 _OPERAND_VIEWS = (*_RESHAPES, aten.expand.default, aten.permute.default, aten.transpose.int, aten.clone.default)
 
 
+def _batch_source(operand: torch.fx.Node) -> torch.fx.Node:
+    """The tensor a matmul operand was flattened from: reshapes that only merge batch dims are peeled off, so the
+    kernel reads e.g. a transposed ``[B, S, H, D]`` or a GQA-expanded K through its own strides, with no copy."""
+    trailing = tuple(_val(operand).shape[-2:])
+    node = operand
+    while _is(node, (*_RESHAPES, aten.clone.default)) and tuple(_val(node.args[0]).shape[-2:]) == trailing:
+        node = node.args[0]
+    return node
+
+
 def _operand_scale(operand: torch.fx.Node) -> tuple[Optional[torch.fx.Node], float]:
     """``view(s)(t * c)`` or ``view(s)(t / c)`` with a constant c: (the scaling node, c), else (None, 1).
 
@@ -281,6 +292,9 @@ def find_attention(pv: torch.fx.Node) -> Union[Decline, AttentionRegion]:
     if isinstance(collected, Decline):
         return collected
     score_root, chain, captured = collected
+    captured.sort(key=lambda node: _val(node) is None)  # tensors first, then SymInt sizes
+    if any(not isinstance(c.meta.get("val"), torch.Tensor) for c in captured):
+        return Decline("the score chain computes with a dynamic size (e.g. a mask built from a dynamic length)")
     if any(_depends_on(c, qk, {}) for c in captured):
         return Decline("a tensor read by the score chain depends on the scores")
 
@@ -291,16 +305,16 @@ def find_attention(pv: torch.fx.Node) -> Union[Decline, AttentionRegion]:
         value = _val(operand)
         if value is None or value.dtype not in _FUSABLE_DTYPES:
             return Decline(f"{name} has dtype {getattr(value, 'dtype', None)}; fused kernels take fp16/bf16/fp32")
-    head_dims = (_val(q).shape[-1], _val(v).shape[-1])
-    if not all(isinstance(d, int) for d in head_dims):
-        return Decline("a head dim is dynamic; dimension elimination needs it static")
+    # Dimension elimination needs the head dims as compile-time tile sizes: a dynamic one is specialised
+    # (the kernel lowering guards on its value), like upstream Inductor does for its template block sizes.
+    head_dims = (int(_val(q).shape[-1]), int(_val(v).shape[-1]))
     if max(head_dims) > MAX_HEAD_DIM:
         return Decline(f"head dim {max(head_dims)} exceeds {MAX_HEAD_DIM}, the largest kept whole in one tile")
     if math.prod(_val(score_root).shape) != math.prod(_val(p_operand).shape):
         return Decline("the probabilities are broadcast before the output matmul")
 
     operand_scale = 1.0
-    for operand in (q, kt):
+    for operand in (_batch_source(q), _batch_source(kt)):
         scaling, factor = _operand_scale(operand)
         if scaling is not None:
             operand_scale *= factor
@@ -309,7 +323,8 @@ def find_attention(pv: torch.fx.Node) -> Union[Decline, AttentionRegion]:
     for node in internal:
         outside = [u for u in node.users if u not in internal and u is not pv]
         if outside:
-            return Decline(f"`{node.name}` is also used outside the attention (rule 4), e.g. by `{outside[0].name}`")
+            user = "a graph output (e.g. saved for backward)" if outside[0].op == "output" else f"`{outside[0].name}`"
+            return Decline(f"`{node.name}` is also used outside the attention (rule 4), by {user}")
     return AttentionRegion(
         qk=qk,
         score_root=score_root,
@@ -321,8 +336,9 @@ def find_attention(pv: torch.fx.Node) -> Union[Decline, AttentionRegion]:
         probability_dtype=_val(p_operand).dtype,
         logit_scale=logit_scale,
         operand_scale=operand_scale,
-        q=q,
-        kt=kt,
+        q=_batch_source(q),
+        kt=_batch_source(kt),
+        v=_batch_source(v),
     )
 
 
@@ -331,8 +347,8 @@ def _score_chain_module(region: AttentionRegion) -> torch.fx.GraphModule:
     graph = torch.fx.Graph()
     scores = graph.placeholder("scores")
     env = {region.score_root: scores}
-    for index, tensor in enumerate(region.captured):
-        env[tensor] = graph.placeholder(f"captured_{index}")
+    for index, value in enumerate(region.captured):
+        env[value] = graph.placeholder(f"captured_{index}")
     if region.operand_scale != 1.0:
         env[region.score_root] = graph.call_function(aten.mul.Tensor, (scores, region.operand_scale))
     for node in region.chain:
@@ -342,15 +358,6 @@ def _score_chain_module(region: AttentionRegion) -> torch.fx.GraphModule:
         logits = graph.call_function(aten.mul.Tensor, (logits, region.logit_scale))
     graph.output(logits)
     return torch.fx.GraphModule(torch.nn.Module(), graph)
-
-
-def _as_batched(graph: torch.fx.Graph, node: torch.fx.Node) -> torch.fx.Node:
-    """``mm`` operands get a batch dim of one so both matmul forms share one kernel."""
-    if _val(node).dim() == 3:
-        return node
-    batched = graph.call_function(aten.unsqueeze.default, (node, 0))
-    batched.meta["val"] = _val(node).unsqueeze(0)
-    return batched
 
 
 def fuse(region: AttentionRegion) -> torch.fx.Node:
@@ -364,20 +371,21 @@ def fuse(region: AttentionRegion) -> torch.fx.Node:
             probability_dtype=region.probability_dtype,
         )
     )
-    v = region.pv.args[1]
+    v = region.v
     with graph.inserting_before(region.pv):
         q, kt = (
             _replay_views_without_scale(graph, operand, scaling) if scaling is not None else operand
             for operand, (scaling, _) in ((op, _operand_scale(op)) for op in (region.q, region.kt))
         )
-        q, kt, v = (_as_batched(graph, t) for t in (q, kt, v))
+        tensors = [c for c in region.captured if _val(c) is not None]
+        sizes = [c for c in region.captured if _val(c) is None]
         fused = graph.call_function(
-            torch.ops.flashlight.online_softmax_attention.default, (q, kt, v, list(region.captured), chain_id)
+            torch.ops.flashlight.online_softmax_attention.default, (q, kt, v, tensors, sizes, chain_id)
         )
         fake_mode = torch._guards.detect_fake_mode([_val(q)])
         with fake_mode or contextlib.nullcontext():
             fused.meta["val"] = torch.ops.flashlight.online_softmax_attention.default(
-                _val(q), _val(kt), _val(v), [_val(c) for c in region.captured], chain_id
+                _val(q), _val(kt), _val(v), [_val(c) for c in tensors], [c.meta["val"] for c in sizes], chain_id
             )
         result = fused
         if _val(region.pv).dim() == 2:

@@ -11,6 +11,7 @@ by Inductor's Triton pointwise codegen at the ``modification`` site, indexed by 
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 from typing import Any, Sequence
@@ -46,15 +47,16 @@ def _grid(z, m, n, meta, *, cdiv):
 
 ONLINE_SOFTMAX_ATTENTION = r"""
 {{def_kernel("Q", "KT", "V")}}
-    stride_qz, stride_qm, stride_qd = {{stride("Q")}}
-    stride_kz, stride_kd, stride_kn = {{stride("KT")}}
-    stride_vz, stride_vn, stride_vd = {{stride("V")}}
-    M = {{size("Q", 1)}}
-    N = {{size("KT", 2)}}
+    M = {{size("Q", -2)}}
+    N = {{size("KT", -1)}}
 
-    # This program owns rows [start_m, start_m + BLOCK_M) of one (flattened) batch entry z.
+    # This program owns rows [start_m, start_m + BLOCK_M) of one (flattened) batch entry fl_z.
     fl_z = tl.program_id(1).to(INDEX_DTYPE)
     start_m = tl.program_id(0).to(INDEX_DTYPE) * BLOCK_M
+    # Each operand keeps its own batch dims and strides (transposed, expanded for GQA, ...): no copies.
+    q_base = Q + BATCH_OFFSET_Q
+    kt_base = KT + BATCH_OFFSET_KT
+    v_base = V + BATCH_OFFSET_V
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, D_TILE)
     offs_dv = tl.arange(0, DV_TILE)
@@ -63,7 +65,7 @@ ONLINE_SOFTMAX_ATTENTION = r"""
     fl_m = tl.minimum(offs_m, M - 1)[:, None]
 
     # The Q tile stays in registers for the whole N loop (the D loop is eliminated: D is one tile).
-    q = tl.load(Q + fl_z * stride_qz + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd,
+    q = tl.load(q_base + offs_m[:, None] * {{stride("Q", -2)}} + offs_d[None, :] * {{stride("Q", -1)}},
                 mask=row_in_bounds & (offs_d[None, :] < D), other=0.0)
     if UPCAST_DOT_OPERANDS:
         q = q.to(tl.float32)
@@ -79,7 +81,7 @@ ONLINE_SOFTMAX_ATTENTION = r"""
         fl_n = tl.minimum(offs_n, N - 1)[None, :]
 
         # scores = Q Kᵀ for this tile, never written to memory.
-        kt = tl.load(KT + fl_z * stride_kz + offs_d[:, None] * stride_kd + offs_n[None, :] * stride_kn,
+        kt = tl.load(kt_base + offs_d[:, None] * {{stride("KT", -2)}} + offs_n[None, :] * {{stride("KT", -1)}},
                      mask=(offs_d[:, None] < D) & col_in_bounds, other=0.0)
         if UPCAST_DOT_OPERANDS:
             kt = kt.to(tl.float32)
@@ -97,7 +99,7 @@ ONLINE_SOFTMAX_ATTENTION = r"""
         l_i = l_i * alpha + tl.sum(p, 1)
 
         # acc = alpha * acc + P V (the sum over N of the unnormalised probabilities times V).
-        v = tl.load(V + fl_z * stride_vz + offs_n[:, None] * stride_vn + offs_dv[None, :] * stride_vd,
+        v = tl.load(v_base + offs_n[:, None] * {{stride("V", -2)}} + offs_dv[None, :] * {{stride("V", -1)}},
                     mask=(offs_n[:, None] < N) & (offs_dv[None, :] < DV), other=0.0)
         if UPCAST_DOT_OPERANDS:
             p = p.to(PROBABILITY_DTYPE).to(tl.float32)
@@ -117,9 +119,26 @@ ONLINE_SOFTMAX_ATTENTION = r"""
     {{store_output(("idx_z", "idx_m", "idx_d"), "acc", "mask", val_shape=("BLOCK_M", "DV_TILE"))}}
 """
 
-online_softmax_attention_template = TritonTemplate(
-    name="flashlight_attention", grid=_grid, source=ONLINE_SOFTMAX_ATTENTION
-)
+
+def _batch_offset(name: str, rank: int) -> str:
+    """Template code for the offset of batch entry fl_z in an operand with ``rank`` batch dims (row-major)."""
+    terms, inner = [], []
+    for dim in reversed(range(rank)):
+        size, stride = f'{{{{size("{name}", {dim})}}}}', f'{{{{stride("{name}", {dim})}}}}'
+        index = f"(fl_z // ({' * '.join(inner)}))" if inner else "fl_z"
+        terms.append(f"({index} % {size}) * {stride}" if dim > 0 else f"{index} * {stride}")
+        inner.append(size)
+    return " + ".join(reversed(terms)) or "0"
+
+
+@functools.lru_cache(maxsize=None)
+def online_softmax_attention_template(batch_ranks: tuple[int, int, int]) -> TritonTemplate:
+    """The kernel template for operands with the given numbers of batch dims (q, kᵀ, v)."""
+    source = ONLINE_SOFTMAX_ATTENTION
+    for name, rank in zip(("Q", "KT", "V"), batch_ranks):
+        source = source.replace(f"BATCH_OFFSET_{name}\n", f"{_batch_offset(name, rank)}\n")
+    suffix = "_".join(map(str, batch_ranks))
+    return TritonTemplate(name=f"flashlight_attention_b{suffix}", grid=_grid, source=source)
 
 
 def _tile(dim: int) -> int:
@@ -185,16 +204,18 @@ def _lower_score_chain(chain_id: int, score_size: list[Any], device: torch.devic
 
 
 @register_lowering(torch.ops.flashlight.online_softmax_attention.default, type_promotion_kind=None)
-def online_softmax_attention_lowering(q, kt, v, captured, chain_id):
+def online_softmax_attention_lowering(q, kt, v, captured, sizes, chain_id):
     chain = SCORE_CHAINS[chain_id]
     device = q.get_device()
     for tensor in captured:
         tensor.realize()
         tensor.freeze_layout()
-    z, m, d = q.get_size()
-    n, dv = kt.get_size()[2], v.get_size()[2]
-    score_size = [*chain.batch_shape, m, n]
-    logits = _lower_score_chain(chain_id, score_size, device, list(captured))
+    m, d = q.get_size()[-2:]
+    n, dv = kt.get_size()[-1], v.get_size()[-1]
+    batch_shape = [size.node.expr if isinstance(size, torch.SymInt) else size for size in chain.batch_shape]
+    z = sympy.Mul(*batch_shape)
+    score_size = [*batch_shape, m, n]
+    logits = _lower_score_chain(chain_id, score_size, device, [*captured, *sizes])
     q, kt, v = (realize_inputs(t) for t in (q, kt, v))
     for tensor in (q, kt, v):
         tensor.freeze_layout()
@@ -203,7 +224,8 @@ def online_softmax_attention_lowering(q, kt, v, captured, chain_id):
     fp32_dot = v.get_dtype() == torch.float32
     choices: list[Any] = []
     for config in kernel_configs(max(d, dv), device):
-        error = online_softmax_attention_template.maybe_append_choice(
+        template = online_softmax_attention_template(tuple(len(t.get_size()) - 2 for t in (q, kt, v)))
+        error = template.maybe_append_choice(
             choices,
             input_nodes=[q, kt, v],
             layout=layout,
