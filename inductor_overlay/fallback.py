@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import warnings
 
-log = logging.getLogger("inductor_overlay")
+log = logging.getLogger("flashlight.fallback")
 
 
 class FlashlightFallbackWarning(UserWarning):

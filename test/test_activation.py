@@ -95,3 +95,40 @@ def test_overlay_changes_the_fx_graph_cache_key():
     default_key = on.uuid()
     with overlay_config.patch(fault_containment=False):
         assert on.uuid() != default_key, "overlay config must be part of the cache key"
+
+
+def test_disabled_scope_as_first_use_stays_off():
+    """`enabled(False)` before Inductor was ever imported must not let the autoload hook switch it on inside."""
+    probe = textwrap.dedent(
+        """
+        import json, torch, flashlight
+        from torch._dynamo.utils import counters
+        with flashlight.enabled(False):
+            torch.compile(lambda x: x.sin() + 1)(torch.randn(4))
+            inside = counters["inductor"]["flashlight_compile_fx"]
+        print(json.dumps({"inside": inside, "after": flashlight.is_enabled()}))
+        """
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FLASHLIGHT_")}
+    result = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert report == {"inside": 0, "after": True}
+
+
+def test_cached_kernels_follow_the_overlay_state():
+    """Inductor's caches key on the overlay: a cached upstream kernel is never served to the overlay or back."""
+    from flashlight import testing
+    from benchmarks.variants import causal_masked_fill
+
+    q, k, v = (torch.randn(1, 2, 20, 16) for _ in range(3))
+    kernels = {}
+    with testing.cpu_triton():
+        for overlay in (False, True, False, True):
+            with flashlight.enabled(overlay):
+                _, code = testing.compile_and_get_code(causal_masked_fill, q, k, v, fresh_cache=False)
+            kernels.setdefault(overlay, set()).add(tuple(testing.triton_kernels(code)))
+    assert len(kernels[True]) == 1 and len(kernels[False]) == 1
+    (fused,), (upstream,) = kernels[True], kernels[False]
+    assert len(fused) == 1 and fused[0].startswith("triton_tem_")
+    assert all(not name.startswith("triton_tem_") for name in upstream)

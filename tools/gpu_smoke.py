@@ -14,7 +14,7 @@ from flashlight import testing
 from inductor_overlay import config
 
 logging.basicConfig(level=logging.WARNING)
-logging.getLogger("inductor_overlay").setLevel(logging.INFO)
+logging.getLogger("flashlight").setLevel(logging.INFO)
 failures = 0
 CASES = [
     (Shape(2, 4, 300, 300, 64), torch.bfloat16),

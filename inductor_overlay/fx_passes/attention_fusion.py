@@ -35,7 +35,8 @@ from torch._dynamo.utils import counters
 from inductor_overlay import config
 from inductor_overlay.ops import ScoreChain, register_score_chain
 
-log = logging.getLogger("inductor_overlay.attention_fusion")
+# TORCH_LOGS=flashlight shows every fused attention and every declined one with its reason.
+log = logging.getLogger("flashlight.attention_fusion")
 
 aten = torch.ops.aten
 prims = torch.ops.prims

@@ -3,6 +3,11 @@
 Upstream's joint-graph pass (``torch/_inductor/fx_passes/fuse_attention.py``) rewrites the plain forms of
 attention into ``scaled_dot_product_attention`` before our post-grad pass sees them. ``config.sdpa_pattern_policy``
 decides: ``"sdpa"`` keeps upstream's rewrite, ``"flashlight"`` declines it so the overlay fuses the program itself.
+
+Upstream registers some of its patterns with a reference to ``_sfdp_params_check`` taken once per process, when
+the first graph is compiled. The wrapper therefore also answers as upstream whenever the patches are reverted, and
+the policy only reaches those patterns if Flashlight was active at the process's first compilation (the normal
+case: autoload activates it when Inductor is imported).
 """
 
 from __future__ import annotations
@@ -17,7 +22,10 @@ from inductor_overlay.state import overlay_active
 def wrap_sfdp_params_check(upstream_check: Callable[[Any], bool]) -> Callable[[Any], bool]:
     @functools.wraps(upstream_check)
     def _sfdp_params_check(match: Any) -> bool:
-        if overlay_active() and config.attention_fusion and config.sdpa_pattern_policy == "flashlight":
+        import torch_patches
+
+        declines = config.attention_fusion and config.sdpa_pattern_policy == "flashlight"
+        if declines and overlay_active() and torch_patches.is_applied():
             return False
         return upstream_check(match)
 

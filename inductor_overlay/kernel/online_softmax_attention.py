@@ -24,7 +24,6 @@ from torch._inductor.select_algorithm import (
     SymbolicGridFn,
     TritonTemplate,
     autotune_select_algorithm,
-    realize_inputs,
 )
 from torch._inductor.subgraph_lowering import PointwiseSubgraphLowering
 from torch._inductor.virtualized import V
@@ -216,7 +215,8 @@ def online_softmax_attention_lowering(q, kt, v, captured, sizes, chain_id):
     z = sympy.Mul(*batch_shape)
     score_size = [*batch_shape, m, n]
     logits = _lower_score_chain(chain_id, score_size, device, [*captured, *sizes])
-    q, kt, v = (realize_inputs(t) for t in (q, kt, v))
+    # Realised as they are: the kernel reads any strides (no stride-1 copy, unlike ``realize_inputs``).
+    q, kt, v = (ir.ExternKernel.realize_input(t) for t in (q, kt, v))
     for tensor in (q, kt, v):
         tensor.freeze_layout()
     d, dv = V.graph.sizevars.guard_int(d), V.graph.sizevars.guard_int(dv)

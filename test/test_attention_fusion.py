@@ -1,0 +1,208 @@
+"""The core fusion: attention in plain PyTorch becomes one online-softmax Triton kernel (CPU harness).
+
+Every test compares with a float64 eager reference on fresh random inputs and pins the kernel structure:
+one kernel, one loop over column tiles, two ``tl.dot`` (QKᵀ and PV), the running-max rescale, and no buffer
+the size of the score matrix.
+"""
+
+import logging
+import math
+
+import pytest
+import torch
+from torch.testing import FileCheck
+
+from benchmarks import variants
+from flashlight import testing
+from inductor_overlay import config
+from test import attention_programs as programs
+
+counters = torch._dynamo.utils.counters
+
+
+def fresh(*shape, dtype=torch.float32):
+    return torch.randn(*shape, dtype=dtype)
+
+
+def reference(fn, *args, **kwargs):
+    def up(t):
+        return t.double() if isinstance(t, torch.Tensor) and t.is_floating_point() else t
+
+    return fn(*(up(a) for a in args), **{name: up(t) for name, t in kwargs.items()})
+
+
+def compile_on_cpu(fn, *args, **kwargs):
+    with testing.cpu_triton(), config.patch(sdpa_pattern_policy="flashlight"):
+        return testing.compile_and_get_code(fn, *args, **kwargs)
+
+
+def assert_fused_attention(code, out):
+    """One kernel with the online-softmax loop, two dots, no extern matmul, and no buffer but the output:
+    the M×N scores never reach memory."""
+    testing.check_kernels(code, kernels=1, dots=2, loops=1, extern_calls=0)
+    FileCheck().check("for start_n in range(").check("scores = tl.dot(").check("alpha = tl.exp2(").check(
+        "acc = tl.dot(p, v, acc * alpha"
+    ).check("acc = acc / l_i").run("\n".join(testing.triton_kernels(code).values()))
+    allocated = testing.allocated_buffer_numels(code)
+    assert allocated == [out.numel()], f"only the output may be allocated, got buffers of {allocated} elements"
+    assert counters["inductor"]["flashlight_attention_fused"] == 1
+    assert counters["inductor"]["flashlight_fault_fallback"] == 0
+
+
+IDIOMS = [(variant.name, idiom, fn) for variant in variants.VARIANTS.values() for idiom, fn in variant.idioms.items()]
+
+
+@pytest.mark.parametrize("name,idiom,fn", IDIOMS, ids=[f"{n}-{i}" for n, i, _ in IDIOMS])
+def test_variant_idioms_fuse_and_match_eager(name, idiom, fn):
+    shape = variants.Shape(B=2, H=3, M=37, N=45, D=16)
+    q, k, v, extras = variants.make_inputs(variants.VARIANTS[name], shape)
+    out, code = compile_on_cpu(fn, q, k, v, **extras)
+    assert_fused_attention(code, out)
+    testing.assert_close_to_reference(out, reference(fn, q, k, v, **extras))
+
+
+LAYOUTS = [
+    ("bshd_transposed_in_graph", programs.causal_bshd, [(2, 37, 3, 16)] * 3),
+    ("bmm_3d", programs.bmm_3d, [(6, 20, 8), (6, 29, 8), (6, 29, 24)]),
+    ("mm_2d", programs.mm_2d, [(20, 8), (5, 8), (5, 4)]),
+    ("five_d_leading_batch", variants.softcap_tanh, [(2, 2, 3, 9, 16), (2, 2, 3, 40, 16), (2, 2, 3, 40, 8)]),
+    ("scale_on_k", programs.scale_on_k, [(2, 3, 17, 16)] * 3),
+]
+
+
+@pytest.mark.parametrize("name,fn,shapes", LAYOUTS, ids=[case[0] for case in LAYOUTS])
+def test_input_layouts_fuse_and_match_eager(name, fn, shapes):
+    args = [fresh(*shape) for shape in shapes]
+    out, code = compile_on_cpu(fn, *args)
+    assert_fused_attention(code, out)
+    testing.assert_close_to_reference(out, reference(fn, *args))
+
+
+def test_non_contiguous_operands_are_read_in_place():
+    q = fresh(2, 3, 16, 9).transpose(-1, -2)
+    k = fresh(2, 3, 40, 32)[..., ::2]
+    v = fresh(2, 3, 8, 40).transpose(-1, -2)
+    slopes = fresh(3)
+    out, code = compile_on_cpu(variants.alibi_slopes_tensor, q, k, v, slopes=slopes)
+    assert_fused_attention(code, out)
+    testing.assert_close_to_reference(out, reference(variants.alibi_slopes_tensor, q, k, v, slopes=slopes))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision_inputs_accumulate_in_fp32(dtype):
+    q, k, v = (fresh(2, 3, 33, 16, dtype=dtype) for _ in range(3))
+    out, code = compile_on_cpu(variants.causal_arange_where, q, k, v)
+    assert_fused_attention(code, out)
+    assert out.dtype == dtype
+    testing.assert_close_to_reference(out, reference(variants.causal_arange_where, q, k, v))
+
+
+@pytest.mark.parametrize("m,n", [(37, 45), (45, 37), (40, 5), (1, 3)], ids=["m<n", "m>n", "n<tile", "single-row"])
+def test_ragged_and_tiny_sequence_lengths(m, n):
+    q, k, v = fresh(1, 2, m, 16), fresh(1, 2, n, 16), fresh(1, 2, n, 8)
+    out, code = compile_on_cpu(variants.softcap_tanh, q, k, v)
+    assert_fused_attention(code, out)
+    testing.assert_close_to_reference(out, reference(variants.softcap_tanh, q, k, v))
+
+
+def test_fully_masked_rows_are_nan_as_in_eager():
+    q, k, v = fresh(2, 3, 9, 16), fresh(2, 3, 13, 16), fresh(2, 3, 13, 16)
+    keep = torch.rand(2, 1, 9, 13) > 0.4
+    keep[0, 0, 3] = False
+    keep[1, 0, 0] = False
+    out, code = compile_on_cpu(programs.boolean_mask_tensor, q, k, v, keep)
+    assert_fused_attention(code, out)
+    expected = reference(programs.boolean_mask_tensor, q, k, v, keep)
+    assert expected[0, :, 3].isnan().all() and expected[1, :, 0].isnan().all()
+    assert torch.equal(out.isnan(), expected.isnan())
+    testing.assert_close_to_reference(out, expected)
+
+
+def test_captured_tensors_are_read_at_tile_positions():
+    q, k, v = fresh(2, 3, 12, 16), fresh(2, 3, 20, 16), fresh(2, 3, 20, 16)
+    attention_mask = (torch.rand(2, 20) > 0.3).long()
+    out, code = compile_on_cpu(programs.key_padding_bert, q, k, v, attention_mask)
+    assert_fused_attention(code, out)
+    testing.assert_close_to_reference(out, reference(programs.key_padding_bert, q, k, v, attention_mask))
+
+
+def test_head_dim_256_is_one_tile_and_larger_declines(caplog):
+    q, k, v = fresh(1, 1, 8, 256), fresh(1, 1, 8, 256), fresh(1, 1, 8, 256)
+    out, code = compile_on_cpu(variants.softcap_tanh, q, k, v)
+    assert_fused_attention(code, out)
+    FileCheck().check("D_TILE : tl.constexpr = 256").run(code[0])
+    counters.clear()
+    q, k, v = fresh(1, 1, 8, 320), fresh(1, 1, 8, 320), fresh(1, 1, 8, 320)
+    with caplog.at_level(logging.INFO, logger="flashlight"):
+        out, code = compile_on_cpu(variants.softcap_tanh, q, k, v)
+    assert counters["inductor"]["flashlight_attention_fused"] == 0
+    assert "head dim 320 exceeds 256" in caplog.text
+    testing.assert_close_to_reference(out, reference(variants.softcap_tanh, q, k, v))
+
+
+@pytest.mark.parametrize(
+    "fn,reason",
+    [
+        (programs.returns_probabilities, "is also used outside the attention (rule 4)"),
+        (programs.softmax_over_rows, "do not both reduce the last dim"),
+    ],
+    ids=["probabilities-returned", "softmax-over-rows"],
+)
+def test_illegal_rewrites_decline_with_a_reason_and_stay_correct(fn, reason, caplog):
+    q, k, v = (fresh(2, 3, 11, 16) for _ in range(3))
+    with caplog.at_level(logging.INFO, logger="flashlight"):
+        out, code = compile_on_cpu(fn, q, k, v)
+    assert counters["inductor"]["flashlight_attention_fused"] == 0
+    assert counters["inductor"]["flashlight_attention_declined"] == 1
+    assert reason in caplog.text
+    expected = reference(fn, q, k, v)
+    for actual, wanted in zip(out if isinstance(out, tuple) else (out,), expected if isinstance(expected, tuple) else (expected,)):
+        testing.assert_close_to_reference(actual, wanted)
+
+
+def test_dynamic_sequence_length_is_correct_and_says_why_not_fused(caplog):
+    with testing.cpu_triton(), caplog.at_level(logging.INFO, logger="flashlight"):
+        compiled = torch.compile(variants.causal_masked_fill)
+        for length in (17, 40, 33):
+            q, k, v = (fresh(1, 2, length, 16) for _ in range(3))
+            for tensor in (q, k, v):
+                torch._dynamo.mark_dynamic(tensor, 2)
+            testing.assert_close_to_reference(compiled(q, k, v), reference(variants.causal_masked_fill, q, k, v))
+    assert "dynamic size" in caplog.text
+    assert counters["inductor"]["flashlight_fault_fallback"] == 0
+
+
+def test_training_falls_back_and_gradients_match():
+    q, k, v = (fresh(1, 2, 12, 16).requires_grad_() for _ in range(3))
+    with testing.cpu_triton():
+        out = torch.compile(variants.causal_masked_fill)(q, k, v)
+        out.backward(torch.ones_like(out))
+    assert counters["inductor"]["flashlight_attention_fused"] == 0
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    variants.causal_masked_fill(q64, k64, v64).sum().backward()
+    for ours, theirs in ((q.grad, q64.grad), (k.grad, k64.grad), (v.grad, v64.grad)):
+        testing.assert_close_to_reference(ours, theirs)
+
+
+def test_fusion_flag_off_leaves_upstream_kernels():
+    q, k, v = (fresh(1, 2, 12, 16) for _ in range(3))
+    with config.patch(attention_fusion=False):
+        out, code = compile_on_cpu(variants.causal_masked_fill, q, k, v)
+    FileCheck().check_count("extern_kernels.bmm", 2, exactly=True).run("\n".join(code))
+    assert counters["inductor"]["flashlight_attention_fused"] == 0
+    testing.assert_close_to_reference(out, reference(variants.causal_masked_fill, q, k, v))
+
+
+@pytest.mark.parametrize("policy", ["sdpa", "flashlight"])
+def test_sdpa_pattern_policy_decides_who_takes_vanilla_attention(policy):
+    q, k, v = (fresh(1, 2, 12, 16) for _ in range(3))
+    with testing.cpu_triton(), config.patch(sdpa_pattern_policy=policy):
+        out, code = testing.compile_and_get_code(variants.vanilla_matmul, q, k, v)
+    text = "\n".join(code)
+    if policy == "sdpa":
+        FileCheck().check("scaled_dot_product").run(text)
+        assert counters["inductor"]["flashlight_attention_fused"] == 0
+    else:
+        FileCheck().check_not("scaled_dot_product").run(text)
+        assert_fused_attention(code, out)
+    testing.assert_close_to_reference(out, reference(variants.vanilla_matmul, q, k, v))
