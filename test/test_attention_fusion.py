@@ -206,3 +206,18 @@ def test_sdpa_pattern_policy_decides_who_takes_vanilla_attention(policy):
         FileCheck().check_not("scaled_dot_product").run(text)
         assert_fused_attention(code, out)
     testing.assert_close_to_reference(out, reference(variants.vanilla_matmul, q, k, v))
+
+
+def test_dynamic_sequence_length_fuses_when_the_chain_needs_no_dynamic_size():
+    def softcapped(q, k, v):
+        return torch.softmax(50 * torch.tanh(q @ k.transpose(-1, -2) * 0.125 / 50), dim=-1) @ v
+
+    with testing.cpu_triton():
+        compiled = torch.compile(softcapped)
+        for length in (17, 40, 33):
+            q, k, v = (fresh(1, 2, length, 16) for _ in range(3))
+            for tensor in (q, k, v):
+                torch._dynamo.mark_dynamic(tensor, 2)
+            testing.assert_close_to_reference(compiled(q, k, v), reference(softcapped, q, k, v))
+    assert counters["inductor"]["flashlight_attention_fused"] == 1, "one dynamic graph, fused once"
+    assert counters["inductor"]["flashlight_fault_fallback"] == 0
