@@ -19,6 +19,9 @@ fault_containment: bool = os.environ.get("FLASHLIGHT_FAULT_CONTAINMENT", "1") !=
 attention_fusion: bool = os.environ.get("FLASHLIGHT_ATTENTION_FUSION", "1") != "0"
 
 
+# Skip key tiles that the user's position mask (causal, sliding window, ...) sets entirely to -inf.
+block_skipping: bool = os.environ.get("FLASHLIGHT_BLOCK_SKIPPING", "1") != "0"
+
 # Attention that upstream's SDPA pattern matcher recognises: "sdpa" keeps upstream's rewrite to
 # scaled_dot_product_attention, "flashlight" fuses it with the overlay instead (see benchmarks/results for why).
 sdpa_pattern_policy: str = os.environ.get("FLASHLIGHT_SDPA_PATTERN_POLICY", "sdpa")

@@ -33,6 +33,7 @@ import torch
 from torch._dynamo.utils import counters
 
 from inductor_overlay import config
+from inductor_overlay.fx_passes.block_sparsity import fully_masked_tile_code, masked_positions
 from inductor_overlay.ops import ScoreChain, register_score_chain
 
 # TORCH_LOGS=flashlight shows every fused attention and every declined one with its reason.
@@ -370,6 +371,9 @@ def fuse(region: AttentionRegion) -> torch.fx.Node:
             batch_shape=tuple(score_shape[:-2]) or (1,),
             score_dtype=_val(region.qk).dtype,
             probability_dtype=region.probability_dtype,
+            masked_tile_code=fully_masked_tile_code(masked_positions(region.chain, len(score_shape)))
+            if config.block_skipping
+            else None,
         )
     )
     v = region.v

@@ -12,9 +12,10 @@ by Inductor's Triton pointwise codegen at the ``modification`` site, indexed by 
 from __future__ import annotations
 
 import functools
+import hashlib
 import math
 import os
-from typing import Any, Sequence
+from typing import Any, Optional, Sequence
 
 import sympy
 import torch
@@ -73,8 +74,9 @@ ONLINE_SOFTMAX_ATTENTION = r"""
     l_i = tl.zeros([BLOCK_M], tl.float32)  # running row sum of exp2(logit - m_i)
     acc = tl.zeros([BLOCK_M, DV_TILE], tl.float32)  # running sum of exp2(logit - m_i) * V
 
+    TILE_RANGE
     # Dimension demotion: N, a parallel dim of the scores, is a sequential loop over column tiles here.
-    for start_n in range(0, N, BLOCK_N):
+    for start_n in range(first_n, end_n, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         col_in_bounds = offs_n[None, :] < N
         fl_n = tl.minimum(offs_n, N - 1)[None, :]
@@ -130,14 +132,34 @@ def _batch_offset(name: str, rank: int) -> str:
     return " + ".join(reversed(terms)) or "0"
 
 
+ALL_TILES = "first_n, end_n = 0, N"
+
+# Block skipping: a scalar pre-pass over the column tiles finds the first and last one the position mask leaves
+# visible; the main loop runs over that range only.
+VISIBLE_TILES = """# Block skipping: tiles whose every element the position mask sets to -inf contribute nothing; visit only
+    # the range between the first and the last tile that is not entirely masked.
+    m_lo = start_m
+    m_hi = tl.minimum(start_m + BLOCK_M, M) - 1
+    first_n = tl.zeros([], tl.int32) + N
+    end_n = tl.zeros([], tl.int32)
+    for scan_n in range(0, N, BLOCK_N):
+        n_lo = scan_n
+        n_hi = tl.minimum(scan_n + BLOCK_N, N) - 1
+        masked = FULLY_MASKED
+        first_n = tl.where(masked, first_n, tl.minimum(first_n, scan_n))
+        end_n = tl.where(masked, end_n, scan_n + BLOCK_N)"""
+
+
 @functools.lru_cache(maxsize=None)
-def online_softmax_attention_template(batch_ranks: tuple[int, int, int]) -> TritonTemplate:
-    """The kernel template for operands with the given numbers of batch dims (q, kᵀ, v)."""
+def online_softmax_attention_template(batch_ranks: tuple[int, int, int], masked_tile_code: Optional[str]) -> TritonTemplate:
+    """The kernel template for operands with the given numbers of batch dims (q, kᵀ, v) and position mask."""
     source = ONLINE_SOFTMAX_ATTENTION
     for name, rank in zip(("Q", "KT", "V"), batch_ranks):
         source = source.replace(f"BATCH_OFFSET_{name}\n", f"{_batch_offset(name, rank)}\n")
-    suffix = "_".join(map(str, batch_ranks))
-    return TritonTemplate(name=f"flashlight_attention_b{suffix}", grid=_grid, source=source)
+    tile_range = ALL_TILES if masked_tile_code is None else VISIBLE_TILES.replace("FULLY_MASKED", masked_tile_code)
+    source = source.replace("TILE_RANGE", tile_range)
+    digest = hashlib.sha256(source.encode()).hexdigest()[:10]
+    return TritonTemplate(name=f"flashlight_attention_{digest}", grid=_grid, source=source)
 
 
 def _tile(dim: int) -> int:
@@ -224,7 +246,9 @@ def online_softmax_attention_lowering(q, kt, v, captured, sizes, chain_id):
     fp32_dot = v.get_dtype() == torch.float32
     choices: list[Any] = []
     for config in kernel_configs(max(d, dv), device):
-        template = online_softmax_attention_template(tuple(len(t.get_size()) - 2 for t in (q, kt, v)))
+        template = online_softmax_attention_template(
+            tuple(len(t.get_size()) - 2 for t in (q, kt, v)), chain.masked_tile_code
+        )
         error = template.maybe_append_choice(
             choices,
             input_nodes=[q, kt, v],

@@ -1,0 +1,201 @@
+"""Derive, from the user's own mask expression, which (row tile, column tile) blocks are entirely masked.
+
+A score chain often contains ``where(cond, -inf, x)`` (``masked_fill``) where ``cond`` depends only on the
+positions m and n (causal, sliding window, prefix-LM, block-causal ...). This module turns such a ``cond`` into a
+sympy formula over the symbols ``m`` and ``n`` and, from it, into Triton code that decides — by interval arithmetic
+over a tile's row range ``[m_lo, m_hi]`` and column range ``[n_lo, n_hi]`` — whether ``cond`` holds for every
+element of the tile. Such a tile contributes exp(-inf) = 0 to every sum: the kernel can skip it exactly. A fully
+masked row then gets 0/0 = NaN, exactly as eager does. Fills other than -inf (``finfo.min``, -1e10) are not
+skippable: eager gives a fully masked row the mean of V there, so those masks stay per-element only.
+
+Anything the analysis does not understand (tensor loads, scores, unknown ops) makes the mask "unknown", and the
+kernel simply visits every tile.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import sympy
+import torch
+
+aten = torch.ops.aten
+prims = torch.ops.prims
+
+ROW, COL = sympy.Symbol("m", integer=True, nonnegative=True), sympy.Symbol("n", integer=True, nonnegative=True)
+
+
+_VIEWS = (aten.unsqueeze.default, aten.view.default, aten.reshape.default, aten.expand.default)
+
+
+class Unknown(Exception):
+    """The expression is not a function of positions the analysis can bound."""
+
+
+def _shape(node: torch.fx.Node) -> tuple:
+    return tuple(node.meta["val"].shape)
+
+
+def _value(node: object, axis_of: dict) -> sympy.Basic:
+    if isinstance(node, bool):
+        return sympy.true if node else sympy.false
+    if isinstance(node, (int, float)):
+        return sympy.sympify(node)
+    if not isinstance(node, torch.fx.Node) or node.op != "call_function":
+        raise Unknown(node)
+    target, args = node.target, node.args
+    if target is prims.iota.default:
+        return node.kwargs.get("start", 0) + node.kwargs.get("step", 1) * axis_of[node]
+    if target in (aten.unsqueeze.default, aten.expand.default, aten.view.default, aten.reshape.default,
+                  aten.clone.default, prims.convert_element_type.default, aten.squeeze.dim, aten.squeeze.default):
+        return _value(args[0], axis_of)
+    if target is aten.full.default:
+        return sympy.sympify(args[1])
+    if target is aten.scalar_tensor.default:
+        return sympy.sympify(args[0])
+    operands = [_value(a, axis_of) for a in args[:2]] if len(args) >= 2 else [_value(args[0], axis_of)]
+    binary = {
+        aten.add.Tensor: lambda a, b: a + b,
+        aten.sub.Tensor: lambda a, b: a - b,
+        aten.mul.Tensor: lambda a, b: a * b,
+        aten.floor_divide.default: lambda a, b: sympy.floor(a / b),
+        aten.le.Tensor: sympy.Le, aten.le.Scalar: sympy.Le,
+        aten.lt.Tensor: sympy.Lt, aten.lt.Scalar: sympy.Lt,
+        aten.ge.Tensor: sympy.Ge, aten.ge.Scalar: sympy.Ge,
+        aten.gt.Tensor: sympy.Gt, aten.gt.Scalar: sympy.Gt,
+        aten.eq.Tensor: sympy.Eq, aten.eq.Scalar: sympy.Eq,
+        aten.ne.Tensor: sympy.Ne, aten.ne.Scalar: sympy.Ne,
+        aten.logical_and.default: sympy.And, aten.bitwise_and.Tensor: sympy.And,
+        aten.logical_or.default: sympy.Or, aten.bitwise_or.Tensor: sympy.Or,
+    }
+    if target in binary:
+        return binary[target](*operands)
+    if target in (aten.logical_not.default, aten.bitwise_not.default):
+        return sympy.Not(operands[0])
+    if target is aten.abs.default:
+        return sympy.Abs(operands[0])
+    if target is aten.neg.default:
+        return -operands[0]
+    raise Unknown(target)
+
+
+def _axes(chain: list[torch.fx.Node], logits_rank: int) -> dict:
+    """Each iota's axis: the dim of the score shape it varies along once broadcast (rows: -2, columns: -1)."""
+    axis_of = {}
+    for node in chain:
+        if node.op == "call_function" and node.target is prims.iota.default:
+            broadcast = node  # follow unsqueezes/views to the shape the position enters the arithmetic with
+            while len(broadcast.users) == 1 and next(iter(broadcast.users)).target in _VIEWS:
+                broadcast = next(iter(broadcast.users))
+            shape = _shape(broadcast)
+            varying = [i - len(shape) for i, size in enumerate(shape) if size != 1]
+            if varying == [-1]:
+                axis_of[node] = COL
+            elif varying == [-2]:
+                axis_of[node] = ROW
+    return axis_of
+
+
+def _is_minus_inf(node: object) -> bool:
+    if isinstance(node, (int, float)):
+        return node == -math.inf
+    return (
+        isinstance(node, torch.fx.Node)
+        and node.op == "call_function"
+        and node.target in (aten.full.default, aten.scalar_tensor.default)
+        and (node.args[1] if node.target is aten.full.default else node.args[0]) == -math.inf
+    )
+
+
+def masked_positions(chain: list[torch.fx.Node], logits_rank: int) -> Optional[sympy.Boolean]:
+    """A formula over (m, n) true where the chain sets the logit to -inf by position alone, or None."""
+    axis_of = _axes(chain, logits_rank)
+    masks = []
+    for node in chain:
+        if node.op != "call_function" or node.target is not aten.where.self:
+            continue
+        condition, if_true, if_false = node.args
+        try:
+            if _is_minus_inf(if_true):
+                masks.append(_value(condition, axis_of))
+            elif _is_minus_inf(if_false):
+                masks.append(sympy.Not(_value(condition, axis_of)))
+        except (Unknown, KeyError, TypeError):
+            continue
+    masks = [m for m in masks if m.free_symbols <= {ROW, COL} and isinstance(m, sympy.logic.boolalg.Boolean)]
+    return sympy.Or(*masks) if masks else None
+
+
+# ---------------------------------------------------------------------------------------------- interval codegen
+class _Interval:
+    """Triton source for the lower and upper bound of an integer expression over a tile."""
+
+    def __init__(self, lo: str, hi: str) -> None:
+        self.lo, self.hi = lo, hi
+
+
+def _interval(expr: sympy.Expr, bounds: dict) -> _Interval:
+    if expr in bounds:
+        return bounds[expr]
+    if expr.is_Integer:
+        return _Interval(str(int(expr)), str(int(expr)))
+    if isinstance(expr, sympy.Add):
+        parts = [_interval(a, bounds) for a in expr.args]
+        return _Interval("(" + " + ".join(p.lo for p in parts) + ")", "(" + " + ".join(p.hi for p in parts) + ")")
+    if isinstance(expr, sympy.Mul) and len(expr.args) == 2 and expr.args[0].is_Integer:
+        factor, inner = int(expr.args[0]), _interval(expr.args[1], bounds)
+        lo, hi = f"({factor} * {inner.lo})", f"({factor} * {inner.hi})"
+        return _Interval(lo, hi) if factor >= 0 else _Interval(hi, lo)
+    if isinstance(expr, sympy.floor) and isinstance(expr.args[0], sympy.Mul):
+        numerator, denominator = expr.args[0].as_numer_denom()
+        if denominator.is_Integer and int(denominator) > 0:
+            inner = _interval(numerator, bounds)
+            return _Interval(f"({inner.lo} // {int(denominator)})", f"({inner.hi} // {int(denominator)})")
+    if isinstance(expr, sympy.Abs):
+        inner = _interval(expr.args[0], bounds)
+        lo = f"tl.where({inner.lo} > 0, {inner.lo}, tl.where({inner.hi} < 0, -({inner.hi}), 0))"
+        return _Interval(lo, f"tl.maximum(-({inner.lo}), {inner.hi})")
+    raise Unknown(expr)
+
+
+def _always(formula: sympy.Boolean, bounds: dict) -> tuple[str, str]:
+    """Triton source for (formula holds on every element of the tile, formula holds on none)."""
+    if formula is sympy.true:
+        return "True", "False"
+    if formula is sympy.false:
+        return "False", "True"
+    if isinstance(formula, sympy.Not):
+        everywhere, nowhere = _always(formula.args[0], bounds)
+        return nowhere, everywhere
+    if isinstance(formula, (sympy.And, sympy.Or)):
+        parts = [_always(a, bounds) for a in formula.args]
+        if isinstance(formula, sympy.And):
+            return "(" + " & ".join(p[0] for p in parts) + ")", "(" + " | ".join(p[1] for p in parts) + ")"
+        # An Or holds everywhere if one of its parts does (sound, not complete); nowhere if every part holds nowhere.
+        return "(" + " | ".join(p[0] for p in parts) + ")", "(" + " & ".join(p[1] for p in parts) + ")"
+    if isinstance(formula, sympy.core.relational.Relational):
+        difference = _interval(formula.lhs - formula.rhs, bounds)  # lhs - rhs over the tile
+        lo, hi = difference.lo, difference.hi
+        rules = {
+            sympy.LessThan: (f"({hi} <= 0)", f"({lo} > 0)"),
+            sympy.StrictLessThan: (f"({hi} < 0)", f"({lo} >= 0)"),
+            sympy.GreaterThan: (f"({lo} >= 0)", f"({hi} < 0)"),
+            sympy.StrictGreaterThan: (f"({lo} > 0)", f"({hi} <= 0)"),
+            sympy.Equality: (f"(({lo} == 0) & ({hi} == 0))", f"(({lo} > 0) | ({hi} < 0))"),
+            sympy.Unequality: (f"(({lo} > 0) | ({hi} < 0))", f"(({lo} == 0) & ({hi} == 0))"),
+        }
+        return rules[type(formula)]
+    raise Unknown(formula)
+
+
+def fully_masked_tile_code(formula: Optional[sympy.Boolean]) -> Optional[str]:
+    """Triton expression, over m_lo, m_hi, n_lo, n_hi, that is true when every element of the tile is masked."""
+    if formula is None:
+        return None
+    bounds = {ROW: _Interval("m_lo", "m_hi"), COL: _Interval("n_lo", "n_hi")}
+    try:
+        everywhere, _ = _always(formula, bounds)
+    except Unknown:
+        return None
+    return everywhere
