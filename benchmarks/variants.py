@@ -40,6 +40,8 @@ class Variant:
     flex_mask_mod: Optional[Callable[[dict], Callable]] = None  # extras -> mask_mod
     sdpa: Optional[Callable[..., Tensor]] = None
     visible_fraction: Callable[[Shape], float] = lambda shape: 1.0  # share of (m, n) pairs not masked
+    self_attention: bool = False  # queries and keys are the same sequence (M == N), e.g. one document_id per token
+    kv_groups: int = 1  # query heads per key/value head (GQA/MQA): k and v get H // kv_groups heads
 
     @property
     def reference(self) -> Callable[..., Tensor]:
@@ -54,9 +56,10 @@ def make_inputs(variant: Variant, shape: Shape, device="cpu", dtype=torch.float3
     def rand(*size):
         return torch.randn(*size, generator=generator).to(device=device, dtype=dtype)
 
+    kv_heads = shape.H // variant.kv_groups
     q = rand(shape.B, shape.H, shape.M, shape.D)
-    k = rand(shape.B, shape.H, shape.N, shape.D)
-    v = rand(shape.B, shape.H, shape.N, shape.value_dim)
+    k = rand(shape.B, kv_heads, shape.N, shape.D)
+    v = rand(shape.B, kv_heads, shape.N, shape.value_dim)
     return q, k, v, variant.extras(shape, torch.device(device), dtype)
 
 
@@ -170,4 +173,208 @@ SLIDING_WINDOW = Variant(
 )
 
 
-VARIANTS: dict[str, Variant] = {v.name: v for v in (VANILLA, CAUSAL, ALIBI, SOFTCAP_VARIANT, SLIDING_WINDOW)}
+# ---------------------------------------------------------------- causal, more idioms
+def causal_triu_additive(q, k, v):
+    """An additive -inf mask tensor built with triu."""
+    bias = torch.full((q.shape[-2], k.shape[-2]), float("-inf"), device=q.device).triu(1)
+    return torch.softmax(q @ k.transpose(-2, -1) * _scale(q) + bias.to(q.dtype), dim=-1) @ v
+
+
+def _causal_mask_tensors(shape: Shape, device, dtype):
+    keep = torch.ones(shape.M, shape.N, dtype=torch.bool, device=device).tril()
+    return {"keep": keep}
+
+
+def causal_boolean_mask_passed_in(q, k, v, keep):
+    scores = q @ k.transpose(-2, -1) * _scale(q)
+    return torch.softmax(scores.masked_fill(~keep, float("-inf")), dim=-1) @ v
+
+
+CAUSAL.idioms["triu_additive"] = causal_triu_additive
+
+CAUSAL_MASK_TENSOR = Variant(
+    name="causal_mask_tensor",
+    idioms={"boolean_passed_in": causal_boolean_mask_passed_in},
+    extras=_causal_mask_tensors,
+    flex_mask_mod=lambda extras: (lambda b, h, m, n: m >= n),
+    visible_fraction=CAUSAL.visible_fraction,
+)
+
+
+# ---------------------------------------------------------------- prefix-LM
+PREFIX = 256
+
+
+def prefix_lm_where(q, k, v):
+    rows = torch.arange(q.shape[-2], device=q.device)[:, None]
+    cols = torch.arange(k.shape[-2], device=q.device)[None, :]
+    scores = q @ k.transpose(-2, -1) * _scale(q)
+    return torch.softmax(torch.where((cols <= rows) | (cols < PREFIX), scores, float("-inf")), dim=-1) @ v
+
+
+PREFIX_LM = Variant(
+    name="prefix_lm",
+    idioms={"where": prefix_lm_where},
+    flex_mask_mod=lambda extras: (lambda b, h, m, n: (n <= m) | (n < PREFIX)),
+)
+
+
+# ---------------------------------------------------------------- document masking (data-dependent)
+def _document_ids(shape: Shape, device, dtype):
+    boundaries = torch.sort(torch.randint(1, shape.N, (shape.B, 3))).values
+    ids = (torch.arange(shape.N)[None, :, None] >= boundaries[:, None, :]).sum(-1)
+    return {"document_id": ids.to(device)}
+
+
+def document_mask(q, k, v, document_id):
+    same = document_id[:, None, :, None] == document_id[:, None, None, :]
+    scores = q @ k.transpose(-2, -1) * _scale(q)
+    return torch.softmax(scores.masked_fill(~same, float("-inf")), dim=-1) @ v
+
+
+DOCUMENT = Variant(
+    name="document",
+    idioms={"ids_equal": document_mask},
+    extras=_document_ids,
+    flex_mask_mod=lambda extras: (lambda b, h, m, n: extras["document_id"][b, m] == extras["document_id"][b, n]),
+    self_attention=True,
+)
+
+
+# ---------------------------------------------------------------- key padding (BERT)
+def _padding(shape: Shape, device, dtype):
+    lengths = torch.randint(shape.N // 2, shape.N + 1, (shape.B,))
+    return {"attention_mask": (torch.arange(shape.N)[None, :] < lengths[:, None]).long().to(device)}
+
+
+def key_padding_finfo_min(q, k, v, attention_mask):
+    scores = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
+    additive = (1.0 - attention_mask[:, None, None, :].to(scores.dtype)) * torch.finfo(scores.dtype).min
+    return torch.softmax(scores + additive, dim=-1) @ v
+
+
+KEY_PADDING = Variant(
+    name="key_padding",
+    idioms={"finfo_min": key_padding_finfo_min},
+    extras=_padding,
+    flex_mask_mod=lambda extras: (lambda b, h, m, n: extras["attention_mask"][b, n] > 0),
+)
+
+
+# ---------------------------------------------------------------- ALiBi from arange, per-head bias
+def alibi_from_arange(q, k, v):
+    heads = q.shape[1]
+    slopes = torch.pow(2.0, -8.0 * torch.arange(1, heads + 1, device=q.device) / heads)
+    distance = torch.arange(k.shape[-2], device=q.device)[None, :] - torch.arange(q.shape[-2], device=q.device)[:, None]
+    scores = (q @ k.transpose(-2, -1)).float() * _scale(q)
+    return torch.softmax(scores + slopes[:, None, None] * distance, dim=-1).to(q.dtype) @ v
+
+
+ALIBI_ARANGE = Variant(
+    name="alibi_arange",
+    idioms={"slopes_from_arange_fp32": alibi_from_arange},
+    # FlexAttention's version is the slopes-tensor one: the `alibi` variant.
+)
+
+
+def _head_bias(shape: Shape, device, dtype):
+    return {"bias": torch.randn(shape.H, shape.M, shape.N, device=device, dtype=dtype)}
+
+
+def per_head_bias(q, k, v, bias):
+    return torch.softmax(q @ k.transpose(-2, -1) * _scale(q) + bias, dim=-1) @ v
+
+
+HEAD_BIAS = Variant(
+    name="head_bias",
+    idioms={"broadcast_add": per_head_bias},
+    extras=_head_bias,
+    flex_score_mod=lambda extras: (lambda s, b, h, m, n: s + extras["bias"][h, m, n]),
+)
+
+
+# ---------------------------------------------------------------- T5 relative position bias
+T5_BUCKETS, T5_MAX_DISTANCE = 32, 128
+
+
+def _t5_table(shape: Shape, device, dtype):
+    return {"table": torch.randn(T5_BUCKETS, shape.H, device=device, dtype=dtype)}
+
+
+def _t5_bucket(relative: torch.Tensor) -> torch.Tensor:
+    """Bidirectional T5 bucketing of key-minus-query distances (exact for small, logarithmic for large)."""
+    half = T5_BUCKETS // 2
+    bucket = (relative > 0).long() * half
+    distance = relative.abs()
+    exact = half // 2
+    large = exact + (
+        torch.log(distance.float().clamp(min=1) / exact) / math.log(T5_MAX_DISTANCE / exact) * (half - exact)
+    ).long()
+    return bucket + torch.where(distance < exact, distance, large.clamp(max=half - 1))
+
+
+def t5_relative_bias(q, k, v, table):
+    relative = torch.arange(k.shape[-2], device=q.device)[None, :] - torch.arange(q.shape[-2], device=q.device)[:, None]
+    bias = table[_t5_bucket(relative)].permute(2, 0, 1)  # [H, M, N] gathered from the learned table
+    return torch.softmax(q @ k.transpose(-2, -1) + bias, dim=-1) @ v
+
+
+T5_BIAS = Variant(
+    name="t5_bias",
+    idioms={"bucket_gather": t5_relative_bias},
+    extras=_t5_table,
+)
+
+
+# ---------------------------------------------------------------- Gemma-2: causal + sliding window + soft-cap
+GEMMA_WINDOW, GEMMA_CAP = 512, 50.0
+
+
+def gemma2_local(q, k, v):
+    scores = (q @ k.transpose(-2, -1)).float() * _scale(q)
+    scores = GEMMA_CAP * torch.tanh(scores / GEMMA_CAP)
+    rows = torch.arange(q.shape[-2], device=q.device)[:, None]
+    cols = torch.arange(k.shape[-2], device=q.device)[None, :]
+    visible = (cols <= rows) & (rows - cols < GEMMA_WINDOW)
+    return torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1).to(q.dtype) @ v
+
+
+GEMMA2 = Variant(
+    name="gemma2",
+    idioms={"softcap_window_fp32": gemma2_local},
+    flex_score_mod=lambda extras: (lambda s, b, h, m, n: GEMMA_CAP * torch.tanh(s / GEMMA_CAP)),
+    flex_mask_mod=lambda extras: (lambda b, h, m, n: (n <= m) & (m - n < GEMMA_WINDOW)),
+)
+
+
+# ---------------------------------------------------------------- GQA / MQA
+def gqa_expand(q, k, v):
+    batch, kv_heads, length, dim = k.shape
+    groups = q.shape[1] // kv_heads
+    k = k[:, :, None].expand(batch, kv_heads, groups, length, dim).reshape(batch, q.shape[1], length, dim)
+    v = v[:, :, None].expand(batch, kv_heads, groups, length, v.shape[-1]).reshape(batch, q.shape[1], length, -1)
+    return torch.softmax(q @ k.transpose(-2, -1) * _scale(q), dim=-1) @ v
+
+
+def gqa_repeat_interleave(q, k, v):
+    groups = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    scores = q @ k.transpose(-2, -1) * _scale(q)
+    causal = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril()
+    return torch.softmax(scores.masked_fill(~causal, float("-inf")), dim=-1) @ v
+
+
+GQA = Variant(name="gqa", idioms={"expand": gqa_expand}, kv_groups=4)
+GQA_CAUSAL = Variant(
+    name="gqa_causal",
+    idioms={"repeat_interleave": gqa_repeat_interleave},
+    kv_groups=4,
+    visible_fraction=CAUSAL.visible_fraction,
+)
+VARIANTS: dict[str, Variant] = {
+    v.name: v
+    for v in (
+        VANILLA, CAUSAL, CAUSAL_MASK_TENSOR, ALIBI, ALIBI_ARANGE, SOFTCAP_VARIANT, SLIDING_WINDOW, PREFIX_LM, DOCUMENT,
+        KEY_PADDING, HEAD_BIAS, T5_BIAS, GEMMA2, GQA, GQA_CAUSAL,
+    )
+}
