@@ -183,6 +183,16 @@ def kernel_configs(head_dim: int, device: torch.device) -> list[dict[str, int]]:
     return [dict(BLOCK_M=m, BLOCK_N=n, num_warps=w, num_stages=s) for m, n, w, s in shapes]
 
 
+class _ConstantIndexAsConstant(V.WrapperHandler):  # type: ignore[name-defined]
+    """A position that is constant over the tile (a size-1 dim) becomes a scalar constant: inside a template,
+    Inductor would otherwise give a symbol-free index expression the shape of the template's own x range."""
+
+    def index_expr(self, expr: Any, dtype: torch.dtype) -> Any:
+        if not sympy.sympify(expr).free_symbols:
+            return self._inner.constant(int(expr), dtype)
+        return self._inner.index_expr(expr, dtype)
+
+
 def _score_index(batch_shape: Sequence[Any], m: Any, n: Any) -> list[Any]:
     """The score tensor's index at the tile's positions: the flattened batch entry split back into batch dims."""
     z, rows, cols = (
@@ -213,12 +223,12 @@ def _lower_score_chain(chain_id: int, score_size: list[Any], device: torch.devic
     logits = outputs[0] if isinstance(outputs, (list, tuple)) else outputs
     read_logits = logits.make_loader()
     batch_shape, (m, n) = score_size[:-2], score_size[-2:]
-    at_tile = ir.Pointwise(
-        device=device,
-        dtype=logits.get_dtype(),
-        inner_fn=lambda _: read_logits(_score_index(batch_shape, m, n)),
-        ranges=[],
-    )
+
+    def logits_at_tile(_: Any) -> Any:
+        with V.set_ops_handler(_ConstantIndexAsConstant(V.ops)):
+            return read_logits(_score_index(batch_shape, m, n))
+
+    at_tile = ir.Pointwise(device=device, dtype=logits.get_dtype(), inner_fn=logits_at_tile, ranges=[])
     buffer = ir.ComputedBuffer(name=None, layout=ir.FlexibleLayout(device=device, dtype=logits.get_dtype(), size=[]), data=at_tile)
     buffer.freeze_layout()
     return buffer

@@ -1,0 +1,228 @@
+"""Random attention programs for differential testing: random compositions of score mods, masks, biases, GQA,
+odd shapes, dtypes, layouts and strides, each compiled and compared with float64 eager.
+
+    python -m benchmarks.random_programs --count 10000 --seed 0      # the documented long run (CPU harness)
+
+Every program is built from a seed, so a mismatch is reproduced by ``--count 1 --seed <seed>``; each mismatch
+ever found becomes a regression test in test/test_random_programs.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import random
+import sys
+import time
+from typing import Callable
+
+import torch
+
+SCORE_MODS = ["none", "scale_scores", "softcap", "alibi_arange", "bias_tensor", "relu_bias", "abs_distance"]
+MASKS = ["none", "causal", "window", "prefix", "bool_tensor", "additive_tensor", "padding_finfo", "doc_ids", "causal_1e10"]
+LAYOUTS = ["bhsd", "bshd", "3d", "noncontiguous_k"]
+
+
+@dataclasses.dataclass
+class Program:
+    seed: int
+    B: int
+    H: int
+    M: int
+    N: int
+    D: int
+    Dv: int
+    kv_groups: int
+    dtype: torch.dtype
+    score_mod: str
+    mask: str
+    layout: str
+    upcast: bool
+    scale_on: str  # "scores", "q", "k"
+
+    def describe(self) -> str:
+        return (f"seed={self.seed} {self.layout} B{self.B} H{self.H}/{self.H // self.kv_groups} M{self.M} N{self.N} "
+                f"D{self.D} Dv{self.Dv} {str(self.dtype)[6:]} mod={self.score_mod} mask={self.mask} "
+                f"upcast={self.upcast} scale_on={self.scale_on}")
+
+
+def draw(seed: int) -> Program:
+    rng = random.Random(seed)
+    self_attention_mask = ["causal", "window", "prefix", "doc_ids", "causal_1e10"]
+    mask = rng.choice(MASKS)
+    m = rng.choice([1, 3, 16, 17, 33, 40])
+    n = m if mask in self_attention_mask or rng.random() < 0.5 else rng.choice([2, 5, 16, 31, 48])
+    return Program(
+        seed=seed,
+        B=rng.choice([1, 2]),
+        H=rng.choice([1, 2, 4]),
+        M=m,
+        N=n,
+        D=rng.choice([8, 16, 24, 32]),
+        Dv=rng.choice([8, 16, 20]),
+        kv_groups=rng.choice([1, 1, 2]),
+        dtype=rng.choice([torch.float32, torch.float32, torch.float16, torch.bfloat16]),
+        score_mod=rng.choice(SCORE_MODS),
+        mask=mask,
+        layout=rng.choice(LAYOUTS),
+        upcast=rng.random() < 0.5,
+        scale_on=rng.choice(["scores", "q", "k"]),
+    )
+
+
+def make_inputs(p: Program) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(p.seed)
+
+    def rand(*size):
+        return torch.randn(*size, generator=generator).to(p.dtype)
+
+    kv_heads = max(1, p.H // p.kv_groups) if p.H % p.kv_groups == 0 else p.H
+    if p.layout == "bshd":
+        q, k, v = rand(p.B, p.M, p.H, p.D), rand(p.B, p.N, kv_heads, p.D), rand(p.B, p.N, kv_heads, p.Dv)
+    elif p.layout == "noncontiguous_k":
+        q, v = rand(p.B, p.H, p.M, p.D), rand(p.B, kv_heads, p.N, p.Dv)
+        k = rand(p.B, kv_heads, p.D, p.N).transpose(-1, -2)
+    else:
+        q, k, v = rand(p.B, p.H, p.M, p.D), rand(p.B, kv_heads, p.N, p.D), rand(p.B, kv_heads, p.N, p.Dv)
+    extras = {
+        "bias": torch.randn(p.H, 1, p.N, generator=generator).to(p.dtype),
+        "keep": torch.rand(p.B, 1, p.M, p.N, generator=generator) > 0.3,
+        "additive": torch.where(torch.rand(p.M, p.N, generator=generator) > 0.3, 0.0, float("-inf")).to(p.dtype),
+        "lengths": torch.randint(1, p.N + 1, (p.B,), generator=generator),
+        "doc": torch.sort(torch.randint(0, 3, (p.B, p.N), generator=generator)).values,
+    }
+    return [q, k, v], extras
+
+
+def build(p: Program) -> Callable:
+    """The program as plain PyTorch, the way a user would write it for this combination."""
+    kv_heads = max(1, p.H // p.kv_groups) if p.H % p.kv_groups == 0 else p.H
+
+    def program(q, k, v, bias, keep, additive, lengths, doc):
+        if p.layout == "bshd":
+            q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        if kv_heads != p.H:
+            k, v = k.repeat_interleave(p.H // kv_heads, dim=1), v.repeat_interleave(p.H // kv_heads, dim=1)
+        scale = 1.0 / math.sqrt(p.D)
+        if p.scale_on == "q":
+            q = q * scale
+        elif p.scale_on == "k":
+            k = k * scale
+        if p.layout == "3d":
+            q, k, v = (t.reshape(-1, *t.shape[2:]) for t in (q, k, v))
+        s = q @ k.transpose(-2, -1)
+        if p.layout == "3d":
+            s = s.view(p.B, p.H, p.M, p.N)
+        if p.scale_on == "scores":
+            s = s * scale
+        if p.upcast:
+            s = s.float()
+        rows = torch.arange(p.M)[:, None]
+        cols = torch.arange(p.N)[None, :]
+        if p.score_mod == "scale_scores":
+            s = s * 1.7
+        elif p.score_mod == "softcap":
+            s = 5.0 * torch.tanh(s / 5.0)
+        elif p.score_mod == "alibi_arange":
+            slopes = torch.pow(2.0, -torch.arange(1, p.H + 1, dtype=torch.float32))
+            s = s + (slopes[:, None, None] * (cols - rows)).to(s.dtype)
+        elif p.score_mod == "bias_tensor":
+            s = s + bias.to(s.dtype)
+        elif p.score_mod == "relu_bias":
+            s = s + torch.relu(bias).to(s.dtype) * 2
+        elif p.score_mod == "abs_distance":
+            s = s - (0.1 * (rows - cols).abs()).to(s.dtype)
+        if p.mask == "causal":
+            s = s.masked_fill(cols > rows, float("-inf"))
+        elif p.mask == "window":
+            s = s.masked_fill((cols > rows) | (rows - cols >= 7), float("-inf"))
+        elif p.mask == "prefix":
+            s = torch.where((cols <= rows) | (cols < 5), s, float("-inf"))
+        elif p.mask == "bool_tensor":
+            s = s.masked_fill(~keep, float("-inf"))
+        elif p.mask == "additive_tensor":
+            s = s + additive.to(s.dtype)
+        elif p.mask == "padding_finfo":
+            padded = (torch.arange(p.N)[None, :] >= lengths[:, None])[:, None, None, :]
+            s = s.masked_fill(padded, torch.finfo(s.dtype).min)
+        elif p.mask == "doc_ids":
+            s = s.masked_fill(doc[:, None, :, None] != doc[:, None, None, :], float("-inf"))
+        elif p.mask == "causal_1e10":
+            s = torch.where(cols <= rows, s, torch.full_like(s, -1e10) if s.dtype == torch.float32 else -1e4)
+        probabilities = torch.softmax(s, dim=-1)
+        if p.upcast:
+            probabilities = probabilities.to(v.dtype)
+        if p.layout == "3d":
+            out = probabilities.reshape(-1, p.M, p.N) @ v
+            return out.view(p.B, p.H, p.M, -1)
+        out = probabilities @ v
+        return out.transpose(1, 2) if p.layout == "bshd" else out
+
+    return program
+
+
+TOLERANCE = {torch.float32: (1e-4, 1e-5), torch.float16: (3e-2, 3e-2), torch.bfloat16: (8e-2, 8e-2)}
+
+
+def check(p: Program) -> tuple[bool, bool, str]:
+    """Compile and compare with float64 eager: (matches, fused, detail). An overlay fault that fell back to
+    upstream counts as a mismatch too: the program ran, but the overlay broke on it."""
+    from flashlight import testing
+
+    program = build(p)
+    args, extras = make_inputs(p)
+    counters = torch._dynamo.utils.counters
+    counters.clear()
+    with testing.cpu_triton():
+        out, _ = testing.compile_and_get_code(program, *args, **extras)
+    up = {name: (t.double() if t.is_floating_point() else t) for name, t in extras.items()}
+    expected = program(*(a.double() for a in args), **up)
+    eager = program(*args, **extras)
+    rtol, atol = TOLERANCE[p.dtype]
+    # Half-precision eager itself rounds; the bar is the float64 reference with eager's own error as slack.
+    slack = (eager.double() - expected).abs().nan_to_num(0).max().item() if p.dtype != torch.float32 else 0.0
+    same_nans = torch.equal(out.isnan(), expected.isnan())
+    close = torch.allclose(out.double(), expected, rtol=rtol, atol=atol + 2 * slack, equal_nan=True)
+    fused = counters["inductor"]["flashlight_attention_fused"] >= 1
+    faulted = counters["inductor"]["flashlight_fault_fallback"] > 0
+    error = (out.double() - expected).abs().nan_to_num(0).max().item()
+    detail = f"max error {error:.2e} (slack {slack:.1e})" + (" OVERLAY FAULT (fell back)" if faulted else "")
+    return same_nans and close and not faulted, fused, detail
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--count", type=int, default=300)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--log", default=None, help="append one line per program to this file")
+    args = parser.parse_args()
+    import warnings
+
+    import flashlight
+
+    warnings.filterwarnings("ignore")
+    flashlight.enable()
+    log = open(args.log, "a") if args.log else None
+    mismatches, fused_count, start = [], 0, time.time()
+    for seed in range(args.seed, args.seed + args.count):
+        program = draw(seed)
+        ok, fused, detail = check(program)
+        fused_count += fused
+        line = f"{'ok ' if ok else 'MISMATCH'} fused={int(fused)} {program.describe()} {detail}"
+        if not ok:
+            mismatches.append(line)
+            print(line, flush=True)
+        if log:
+            log.write(line + "\n")
+            log.flush()
+    summary = (f"{args.count} programs (seeds {args.seed}..{args.seed + args.count - 1}), {len(mismatches)} mismatches, "
+               f"{fused_count} fused, {time.time() - start:.0f} s")
+    print(summary)
+    if log:
+        log.write(summary + "\n")
+    return 1 if mismatches else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
