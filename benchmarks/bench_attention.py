@@ -72,7 +72,7 @@ def flex_impl(variant: Variant, shape: Shape, extras: dict) -> Optional[tuple[Ca
     flex = torch.compile(flex_attention, dynamic=False)
 
     def run(q, k, v, **_):
-        return flex(q, k, v, score_mod=score_mod, block_mask=block_mask)
+        return flex(q, k, v, score_mod=score_mod, block_mask=block_mask, enable_gqa=k.shape[1] != q.shape[1])
 
     return run, mask_seconds
 

@@ -364,11 +364,12 @@ def gqa_repeat_interleave(q, k, v):
     return torch.softmax(scores.masked_fill(~causal, float("-inf")), dim=-1) @ v
 
 
-GQA = Variant(name="gqa", idioms={"expand": gqa_expand}, kv_groups=4)
+GQA = Variant(name="gqa", idioms={"expand": gqa_expand}, kv_groups=4, flex_score_mod=lambda extras: None)
 GQA_CAUSAL = Variant(
     name="gqa_causal",
     idioms={"repeat_interleave": gqa_repeat_interleave},
     kv_groups=4,
+    flex_mask_mod=CAUSAL.flex_mask_mod,
     visible_fraction=CAUSAL.visible_fraction,
 )
 VARIANTS: dict[str, Variant] = {
