@@ -163,13 +163,17 @@ def sliding_window_masked_fill(q, k, v):
     return torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1) @ v
 
 
+def _window_fraction(shape: Shape, window: int) -> float:
+    """Share of (m, n) pairs with 0 <= m - n < window (square self-attention)."""
+    visible = sum(min(row + 1, window) for row in range(shape.M))
+    return visible / (shape.M * shape.N)
+
+
 SLIDING_WINDOW = Variant(
     name="sliding_window",
     idioms={"masked_fill": sliding_window_masked_fill},
     flex_mask_mod=lambda extras: (lambda b, h, m, n: (n <= m) & (m - n < WINDOW)),
-    visible_fraction=lambda shape: min(1.0, (WINDOW * shape.M - WINDOW * (WINDOW - 1) / 2) / (shape.M * shape.N))
-    if shape.M > WINDOW
-    else (shape.M + 1) / (2 * shape.M),
+    visible_fraction=lambda shape: _window_fraction(shape, WINDOW),
 )
 
 
@@ -344,6 +348,7 @@ GEMMA2 = Variant(
     idioms={"softcap_window_fp32": gemma2_local},
     flex_score_mod=lambda extras: (lambda s, b, h, m, n: GEMMA_CAP * torch.tanh(s / GEMMA_CAP)),
     flex_mask_mod=lambda extras: (lambda b, h, m, n: (n <= m) & (m - n < GEMMA_WINDOW)),
+    visible_fraction=lambda shape: _window_fraction(shape, GEMMA_WINDOW),
 )
 
 
