@@ -113,7 +113,9 @@ def test_half_precision_inputs_accumulate_in_fp32(dtype):
     testing.assert_close_to_reference(out, reference(variants.causal_arange_where, q, k, v))
 
 
-@pytest.mark.parametrize("m,n", [(37, 45), (45, 37), (40, 5), (1, 3)], ids=["m<n", "m>n", "n<tile", "single-row"])
+@pytest.mark.parametrize(
+    "m,n", [(37, 45), (45, 37), (40, 5), (1, 3), (32, 48)], ids=["m<n", "m>n", "n<tile", "single-row", "whole-tiles"]
+)
 def test_ragged_and_tiny_sequence_lengths(m, n):
     q, k, v = fresh(1, 2, m, 16), fresh(1, 2, n, 16), fresh(1, 2, n, 8)
     out, code = compile_on_cpu(variants.softcap_tanh, q, k, v)
@@ -132,6 +134,16 @@ def test_fully_masked_rows_are_nan_as_in_eager():
     assert expected[0, :, 3].isnan().all() and expected[1, :, 0].isnan().all()
     assert torch.equal(out.isnan(), expected.isnan())
     testing.assert_close_to_reference(out, expected)
+
+
+@pytest.mark.parametrize("length", [32, 37], ids=["whole-tiles", "ragged"])
+def test_bias_tensor_loads_at_tile_positions(length):
+    q, k, v = fresh(2, 4, length, 16), fresh(2, 4, length, 16), fresh(2, 4, length, 8)
+    bias = fresh(4, length, length)
+    out, code = compile_on_cpu(variants.per_head_bias, q, k, v, bias)
+    assert_fused_attention(code, out)
+    FileCheck().check(f"EVEN_N : tl.constexpr = {length % 16 == 0}").run(code[0])
+    testing.assert_close_to_reference(out, reference(variants.per_head_bias, q, k, v, bias))
 
 
 def test_captured_tensors_are_read_at_tile_positions():
