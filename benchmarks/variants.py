@@ -216,10 +216,17 @@ def prefix_lm_where(q, k, v):
     return torch.softmax(torch.where((cols <= rows) | (cols < PREFIX), scores, float("-inf")), dim=-1) @ v
 
 
+def _prefix_fraction(shape: Shape) -> float:
+    rows = torch.arange(shape.M)[:, None]
+    cols = torch.arange(shape.N)[None, :]
+    return float(((cols <= rows) | (cols < PREFIX)).double().mean())
+
+
 PREFIX_LM = Variant(
     name="prefix_lm",
     idioms={"where": prefix_lm_where},
     flex_mask_mod=lambda extras: (lambda b, h, m, n: (n <= m) | (n < PREFIX)),
+    visible_fraction=_prefix_fraction,
 )
 
 
