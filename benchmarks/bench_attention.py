@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import csv
 import datetime
-import math
 import pathlib
 import time
 from typing import Any, Callable, Optional

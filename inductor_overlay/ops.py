@@ -40,22 +40,22 @@ def register_score_chain(chain: ScoreChain) -> int:
 
 _library = torch.library.Library("flashlight", "DEF")
 _library.define(
-    "online_softmax_attention(Tensor q, Tensor kt, Tensor v, Tensor[] captured, SymInt[] sizes, int chain_id) -> Tensor"
+    "online_softmax_attention(Tensor q, Tensor kt, Tensor v, Tensor[] captured, int chain_id) -> Tensor"
 )
 
 
 @torch.library.impl(_library, "online_softmax_attention", "CompositeExplicitAutograd")
-def online_softmax_attention_eager(q, kt, v, captured, sizes, chain_id):
+def online_softmax_attention_eager(q, kt, v, captured, chain_id):
     """The unfused meaning of the op, written as the user's graph computes it."""
     chain = SCORE_CHAINS[chain_id]
     z, (m, d), (n, dv) = math.prod(chain.batch_shape), q.shape[-2:], v.shape[-2:]
     scores = torch.bmm(q.reshape(z, m, d), kt.reshape(z, d, n)).view(*chain.batch_shape, m, n)
-    logits = chain.graph_module(scores, *captured, *sizes)
+    logits = chain.graph_module(scores, *captured)
     probabilities = torch.softmax(logits, dim=-1).to(chain.probability_dtype)
     return torch.bmm(probabilities.reshape(z, m, n), v.reshape(z, n, dv))
 
 
 @torch.library.register_fake("flashlight::online_softmax_attention")
-def online_softmax_attention_fake(q, kt, v, captured, sizes, chain_id):
+def online_softmax_attention_fake(q, kt, v, captured, chain_id):
     z = math.prod(SCORE_CHAINS[chain_id].batch_shape)
     return q.new_empty(z, q.shape[-2], v.shape[-1], dtype=v.dtype)

@@ -6,7 +6,6 @@ the size of the score matrix.
 """
 
 import logging
-import math
 
 import pytest
 import torch

@@ -34,6 +34,7 @@ from torch._dynamo.utils import counters
 
 from inductor_overlay import config
 from inductor_overlay.fx_passes.block_sparsity import fully_masked_tile_code, masked_positions
+from inductor_overlay.kernel.online_softmax_attention import MAX_HEAD_DIM
 from inductor_overlay.ops import ScoreChain, register_score_chain
 
 # TORCH_LOGS=flashlight shows every fused attention and every declined one with its reason.
@@ -42,7 +43,6 @@ log = logging.getLogger("flashlight.attention_fusion")
 aten = torch.ops.aten
 prims = torch.ops.prims
 
-MAX_HEAD_DIM = 256
 _MATMULS = (aten.bmm.default, aten.mm.default)
 _RESHAPES = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
 _VIEWS = (
@@ -77,7 +77,7 @@ class AttentionRegion:
     logits: torch.fx.Node  # x: the softmax input
     pv: torch.fx.Node  # the output matmul, P @ V
     chain: list[torch.fx.Node]  # ops from score_root to logits, moved into the kernel (graph order)
-    captured: list[torch.fx.Node]  # values the chain reads besides the scores: tensors, then dynamic sizes
+    captured: list[torch.fx.Node]  # tensors the chain reads besides the scores
     internal: set[torch.fx.Node]  # nodes that become dead once pv is replaced
     probability_dtype: torch.dtype
     logit_scale: float  # positive constant the softmax applies to the logits
@@ -294,7 +294,6 @@ def find_attention(pv: torch.fx.Node) -> Union[Decline, AttentionRegion]:
     if isinstance(collected, Decline):
         return collected
     score_root, chain, captured = collected
-    captured.sort(key=lambda node: _val(node) is None)  # tensors first, then SymInt sizes
     if any(not isinstance(c.meta.get("val"), torch.Tensor) for c in captured):
         return Decline("the score chain computes with a dynamic size (e.g. a mask built from a dynamic length)")
     if any(_depends_on(c, qk, {}) for c in captured):
@@ -382,15 +381,13 @@ def fuse(region: AttentionRegion) -> torch.fx.Node:
             _replay_views_without_scale(graph, operand, scaling) if scaling is not None else operand
             for operand, (scaling, _) in ((op, _operand_scale(op)) for op in (region.q, region.kt))
         )
-        tensors = [c for c in region.captured if _val(c) is not None]
-        sizes = [c for c in region.captured if _val(c) is None]
         fused = graph.call_function(
-            torch.ops.flashlight.online_softmax_attention.default, (q, kt, v, tensors, sizes, chain_id)
+            torch.ops.flashlight.online_softmax_attention.default, (q, kt, v, list(region.captured), chain_id)
         )
         fake_mode = torch._guards.detect_fake_mode([_val(q)])
         with fake_mode or contextlib.nullcontext():
             fused.meta["val"] = torch.ops.flashlight.online_softmax_attention.default(
-                _val(q), _val(kt), _val(v), [_val(c) for c in tensors], [c.meta["val"] for c in sizes], chain_id
+                _val(q), _val(kt), _val(v), [_val(c) for c in region.captured], chain_id
             )
         result = fused
         if _val(region.pv).dim() == 2:

@@ -250,7 +250,7 @@ def _lower_score_chain(chain_id: int, score_size: list[Any], device: torch.devic
 
 
 @register_lowering(torch.ops.flashlight.online_softmax_attention.default, type_promotion_kind=None)
-def online_softmax_attention_lowering(q, kt, v, captured, sizes, chain_id):
+def online_softmax_attention_lowering(q, kt, v, captured, chain_id):
     chain = SCORE_CHAINS[chain_id]
     device = q.get_device()
     for tensor in captured:
@@ -261,7 +261,7 @@ def online_softmax_attention_lowering(q, kt, v, captured, sizes, chain_id):
     batch_shape = [size.node.expr if isinstance(size, torch.SymInt) else size for size in chain.batch_shape]
     z = sympy.Mul(*batch_shape)
     score_size = [*batch_shape, m, n]
-    logits = _lower_score_chain(chain_id, score_size, device, [*captured, *sizes])
+    logits = _lower_score_chain(chain_id, score_size, device, list(captured))
     # Realised as they are: the kernel reads any strides (no stride-1 copy, unlike ``realize_inputs``).
     q, kt, v = (ir.ExternKernel.realize_input(t) for t in (q, kt, v))
     for tensor in (q, kt, v):
