@@ -50,17 +50,8 @@ def assert_fused_attention(code, out):
     assert counters["inductor"]["flashlight_fault_fallback"] == 0
 
 
-# repeat_interleave materialises the repeated K and V before the (fused) attention; reading them in place needs the
-# batch-dim analysis to see through clone + _unsafe_view (open work, issue #5's GQA item).
-KNOWN_KV_COPY = {("gqa_causal", "repeat_interleave")}
 IDIOMS = [
-    pytest.param(
-        variant.name,
-        idiom,
-        fn,
-        id=f"{variant.name}-{idiom}",
-        marks=[pytest.mark.xfail(strict=True, reason="K/V copied")] if (variant.name, idiom) in KNOWN_KV_COPY else [],
-    )
+    pytest.param(variant.name, idiom, fn, id=f"{variant.name}-{idiom}")
     for variant in variants.VARIANTS.values()
     for idiom, fn in variant.idioms.items()
 ]

@@ -82,9 +82,9 @@ class AttentionRegion:
     probability_dtype: torch.dtype
     logit_scale: float  # positive constant the softmax applies to the logits
     operand_scale: float  # constant factor taken off q or k (moved onto the scores, where it is free)
-    q: torch.fx.Node  # operands as the kernel reads them: [*batch, M, D], [*batch, D, N], [*batch, N, Dv]
-    kt: torch.fx.Node
-    v: torch.fx.Node
+    q: "BatchSource"  # operands as the kernel reads them: [*batch, M, D], [*batch, D, N], [*batch, N, Dv]
+    kt: "BatchSource"
+    v: "BatchSource"
 
 
 def _val(node: torch.fx.Node) -> Optional[torch.Tensor]:
@@ -236,13 +236,54 @@ def _matmul_operands(mm: torch.fx.Node) -> tuple[torch.fx.Node, torch.fx.Node]:
 _OPERAND_VIEWS = (*_RESHAPES, aten.expand.default, aten.permute.default, aten.transpose.int, aten.clone.default)
 
 
-def _batch_source(operand: torch.fx.Node) -> torch.fx.Node:
-    """The tensor a matmul operand was flattened from: reshapes that only merge batch dims are peeled off, so the
-    kernel reads e.g. a transposed ``[B, S, H, D]`` or a GQA-expanded K through its own strides, with no copy."""
-    trailing = tuple(_val(operand).shape[-2:])
-    node = operand
-    while _is(node, (*_RESHAPES, aten.clone.default)) and tuple(_val(node.args[0]).shape[-2:]) == trailing:
-        node = node.args[0]
+def _swaps_last_two_dims(node: torch.fx.Node) -> bool:
+    if _is(node, aten.transpose.int):
+        rank = _val(node).dim()
+        return sorted(d % rank for d in node.args[1:3]) == [rank - 2, rank - 1]
+    if _is(node, aten.permute.default):
+        rank = _val(node).dim()
+        return list(node.args[1]) in ([*range(rank - 2), rank - 1, rank - 2], [*range(rank - 2), -1, -2])
+    return False
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchSource:
+    """What a matmul operand reads, before the graph flattened its batch dims: ``node`` (transposed in its last two
+    dims when ``transposed``) has batch dims whose row-major order is the operand's batch order."""
+
+    node: torch.fx.Node
+    transposed: bool
+
+
+def _batch_source(operand: torch.fx.Node) -> BatchSource:
+    """Peel off what only regroups batch dims or copies: reshapes keeping the last two dims, clones, expands that
+    expand nothing, and swaps of the last two dims (which commute with the rest). The kernel then reads e.g. a
+    transposed ``[B, S, H, D]``, or K and V repeated for GQA (``repeat_interleave`` = expand + clone + view), in
+    place through their own strides instead of from a copy."""
+    node, transposed = operand, False
+    while True:
+        source = node.args[0] if node.op == "call_function" and node.args else None
+        if not isinstance(source, torch.fx.Node) or _val(source) is None:
+            break
+        if _swaps_last_two_dims(node):
+            transposed = not transposed
+        elif _is(node, _RESHAPES) and tuple(_val(source).shape[-2:]) == tuple(_val(node).shape[-2:]):
+            pass
+        elif not (_is(node, aten.clone.default) or (_is(node, aten.expand.default) and _val(source).shape == _val(node).shape)):
+            break
+        node = source
+    return BatchSource(node, transposed)
+
+
+def _materialise(graph: torch.fx.Graph, source: BatchSource) -> torch.fx.Node:
+    """The operand node the fused op reads: the (scale-free) source, transposed back if it was."""
+    scaling, _ = _operand_scale(source.node)
+    node = _replay_views_without_scale(graph, source.node, scaling) if scaling is not None else source.node
+    if source.transposed:
+        rank = _val(node).dim()
+        swapped = graph.call_function(aten.permute.default, (node, [*range(rank - 2), rank - 1, rank - 2]))
+        swapped.meta["val"] = _val(node).transpose(-2, -1)
+        node = swapped
     return node
 
 
@@ -315,7 +356,7 @@ def find_attention(pv: torch.fx.Node) -> Union[Decline, AttentionRegion]:
         return Decline("the probabilities are broadcast before the output matmul")
 
     operand_scale = 1.0
-    for operand in (_batch_source(q), _batch_source(kt)):
+    for operand in (_batch_source(q).node, _batch_source(kt).node):
         scaling, factor = _operand_scale(operand)
         if scaling is not None:
             operand_scale *= factor
@@ -375,12 +416,8 @@ def fuse(region: AttentionRegion) -> torch.fx.Node:
             else None,
         )
     )
-    v = region.v
     with graph.inserting_before(region.pv):
-        q, kt = (
-            _replay_views_without_scale(graph, operand, scaling) if scaling is not None else operand
-            for operand, (scaling, _) in ((op, _operand_scale(op)) for op in (region.q, region.kt))
-        )
+        q, kt, v = (_materialise(graph, source) for source in (region.q, region.kt, region.v))
         fused = graph.call_function(
             torch.ops.flashlight.online_softmax_attention.default, (q, kt, v, list(region.captured), chain_id)
         )
