@@ -65,7 +65,7 @@ def flex_impl(variant: Variant, shape: Shape, extras: dict) -> Optional[tuple[Ca
     block_mask, mask_seconds = None, 0.0
     if variant.flex_mask_mod is not None:
         start = time.perf_counter()
-        block_mask = create_block_mask(variant.flex_mask_mod(extras), shape.B, shape.H, shape.M, shape.N, device="cuda")
+        block_mask = create_block_mask(variant.flex_mask_mod(extras), shape.B, None, shape.M, shape.N, device="cuda")
         torch.cuda.synchronize()
         mask_seconds = time.perf_counter() - start
     flex = torch.compile(flex_attention, dynamic=False)
@@ -79,6 +79,7 @@ def flex_impl(variant: Variant, shape: Shape, extras: dict) -> Optional[tuple[Ca
 def bench_one(variant: Variant, shape: Shape, dtype: torch.dtype, impls: list[str], stamp: dict, log: Callable) -> list[dict]:
     import triton
 
+    shape = variant.adapt(shape)
     q, k, v, extras = make_inputs(variant, shape, device="cuda", dtype=dtype)
     with torch.no_grad():
         ref = variant.reference(q.float(), k.float(), v.float(), **{n: t.float() if t.is_floating_point() else t for n, t in extras.items()})

@@ -42,6 +42,11 @@ class Variant:
     visible_fraction: Callable[[Shape], float] = lambda shape: 1.0  # share of (m, n) pairs not masked
     self_attention: bool = False  # queries and keys are the same sequence (M == N), e.g. one document_id per token
     kv_groups: int = 1  # query heads per key/value head (GQA/MQA): k and v get H // kv_groups heads
+    key_fraction: float = 1.0  # cross-attention: N = key_fraction * the shape's sequence length
+
+    def adapt(self, shape: Shape) -> Shape:
+        """The shape this variant really runs at (its own key length for cross-attention)."""
+        return dataclasses.replace(shape, N=max(1, int(shape.N * self.key_fraction)))
 
     @property
     def reference(self) -> Callable[..., Tensor]:
@@ -49,7 +54,8 @@ class Variant:
 
 
 def make_inputs(variant: Variant, shape: Shape, device="cpu", dtype=torch.float32, seed=None) -> tuple:
-    """Fresh random q, k, v in [B, H, S, D] layout plus the variant's extra tensors."""
+    """Fresh random q, k, v in [B, H, S, D] layout plus the variant's extra tensors, at exactly ``shape``
+    (callers that start from a square benchmark shape apply ``variant.adapt`` first)."""
     generator = torch.Generator(device="cpu")
     generator.manual_seed(seed if seed is not None else torch.seed() % (2**31))
 
@@ -384,10 +390,31 @@ GQA_CAUSAL = Variant(
     flex_mask_mod=CAUSAL.flex_mask_mod,
     visible_fraction=CAUSAL.visible_fraction,
 )
+# ---------------------------------------------------------------- cross-attention (M != N) to a padded memory
+def _memory_padding(shape: Shape, device, dtype):
+    lengths = torch.randint(shape.N // 2, shape.N + 1, (shape.B,))
+    return {"memory_mask": (torch.arange(shape.N)[None, :] < lengths[:, None]).to(device)}
+
+
+def cross_attention_padded(q, k, v, memory_mask):
+    scores = q @ k.transpose(-2, -1) * _scale(q)
+    scores = scores.masked_fill(~memory_mask[:, None, None, :], float("-inf"))
+    return torch.softmax(scores, dim=-1) @ v
+
+
+CROSS = Variant(
+    name="cross_attention",
+    idioms={"padded_memory": cross_attention_padded},
+    extras=_memory_padding,
+    flex_mask_mod=lambda extras: (lambda b, h, m, n: extras["memory_mask"][b, n]),
+    key_fraction=0.25,
+)
+
+
 VARIANTS: dict[str, Variant] = {
     v.name: v
     for v in (
         VANILLA, CAUSAL, CAUSAL_MASK_TENSOR, ALIBI, ALIBI_ARANGE, SOFTCAP_VARIANT, SLIDING_WINDOW, PREFIX_LM, DOCUMENT,
-        KEY_PADDING, HEAD_BIAS, T5_BIAS, GEMMA2, GQA, GQA_CAUSAL,
+        KEY_PADDING, HEAD_BIAS, T5_BIAS, GEMMA2, GQA, GQA_CAUSAL, CROSS,
     )
 }
