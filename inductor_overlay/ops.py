@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 
@@ -25,10 +25,7 @@ class ScoreChain:
     batch_shape: tuple  # leading dims of the score tensor; their product is Z
     score_dtype: torch.dtype  # dtype of q @ kt in the user's graph
     probability_dtype: torch.dtype  # dtype the probabilities had when they met v
-    # Block skipping: Triton tests that a tile is entirely -inf / entirely unmasked by position, and the chain
-    # without its position masks, used on entirely unmasked tiles.
-    tile_tests: Optional[Any] = None
-    unmasked_graph_module: Optional[torch.fx.GraphModule] = None
+    masked_tile_code: Optional[str] = None  # Triton test that a tile is entirely -inf by position (block skipping)
 
 
 SCORE_CHAINS: dict[int, ScoreChain] = {}

@@ -33,7 +33,7 @@ import torch
 from torch._dynamo.utils import counters
 
 from inductor_overlay import config
-from inductor_overlay.fx_passes.block_sparsity import position_mask, tile_tests
+from inductor_overlay.fx_passes.block_sparsity import fully_masked_tile_code, masked_positions
 from inductor_overlay.kernel.online_softmax_attention import MAX_HEAD_DIM
 from inductor_overlay.ops import ScoreChain, register_score_chain
 
@@ -384,9 +384,8 @@ def find_attention(pv: torch.fx.Node) -> Union[Decline, AttentionRegion]:
     )
 
 
-def _score_chain_module(region: AttentionRegion, unmasked: Optional[dict] = None) -> torch.fx.GraphModule:
-    """The chain from scores to logits as its own graph: (scores, *captured) -> logits. With ``unmasked``
-    (masking node -> the operand it keeps), the copy leaves those masks out: the chain of a fully visible tile."""
+def _score_chain_module(region: AttentionRegion) -> torch.fx.GraphModule:
+    """The chain from scores to logits as its own graph: (scores, *captured) -> logits."""
     graph = torch.fx.Graph()
     scores = graph.placeholder("scores")
     env = {region.score_root: scores}
@@ -395,8 +394,7 @@ def _score_chain_module(region: AttentionRegion, unmasked: Optional[dict] = None
     if region.operand_scale != 1.0:
         env[region.score_root] = graph.call_function(aten.mul.Tensor, (scores, region.operand_scale))
     for node in region.chain:
-        kept = (unmasked or {}).get(node)
-        env[node] = env[kept] if isinstance(kept, torch.fx.Node) else graph.node_copy(node, lambda arg: env[arg])
+        env[node] = graph.node_copy(node, lambda arg: env[arg])
     logits = env[region.logits]
     if region.logit_scale != 1.0:
         logits = graph.call_function(aten.mul.Tensor, (logits, region.logit_scale))
@@ -407,16 +405,15 @@ def _score_chain_module(region: AttentionRegion, unmasked: Optional[dict] = None
 def fuse(region: AttentionRegion) -> torch.fx.Node:
     graph = region.pv.graph
     score_shape = _val(region.score_root).shape
-    mask = position_mask(region.chain, len(score_shape)) if config.block_skipping else None
-    tests = tile_tests(mask.formula) if mask is not None else None
     chain_id = register_score_chain(
         ScoreChain(
             graph_module=_score_chain_module(region),
             batch_shape=tuple(score_shape[:-2]) or (1,),
             score_dtype=_val(region.qk).dtype,
             probability_dtype=region.probability_dtype,
-            tile_tests=tests,
-            unmasked_graph_module=_score_chain_module(region, mask.unmasked) if tests is not None else None,
+            masked_tile_code=fully_masked_tile_code(masked_positions(region.chain, len(score_shape)))
+            if config.block_skipping
+            else None,
         )
     )
     with graph.inserting_before(region.pv):

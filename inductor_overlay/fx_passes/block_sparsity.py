@@ -14,7 +14,6 @@ kernel simply visits every tile.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from typing import Optional
 
@@ -109,33 +108,23 @@ def _is_minus_inf(node: object) -> bool:
     )
 
 
-@dataclasses.dataclass
-class PositionMask:
-    formula: sympy.Boolean  # true at the (m, n) the chain sets to -inf by position alone
-    unmasked: dict  # each masking `where` node -> the operand it keeps where nothing is masked
-
-
-def position_mask(chain: list[torch.fx.Node], logits_rank: int) -> Optional[PositionMask]:
-    """The chain's position-only -inf masks, as one formula over (m, n), or None if it has none."""
+def masked_positions(chain: list[torch.fx.Node], logits_rank: int) -> Optional[sympy.Boolean]:
+    """A formula over (m, n) true where the chain sets the logit to -inf by position alone, or None."""
     axis_of = _axes(chain, logits_rank)
-    formulas, unmasked = [], {}
+    masks = []
     for node in chain:
         if node.op != "call_function" or node.target is not aten.where.self:
             continue
         condition, if_true, if_false = node.args
         try:
             if _is_minus_inf(if_true):
-                formula, kept = _value(condition, axis_of), if_false
+                masks.append(_value(condition, axis_of))
             elif _is_minus_inf(if_false):
-                formula, kept = sympy.Not(_value(condition, axis_of)), if_true
-            else:
-                continue
+                masks.append(sympy.Not(_value(condition, axis_of)))
         except (Unknown, KeyError, TypeError):
             continue
-        if isinstance(formula, sympy.logic.boolalg.Boolean) and formula.free_symbols <= {ROW, COL}:
-            formulas.append(formula)
-            unmasked[node] = kept
-    return PositionMask(sympy.Or(*formulas), unmasked) if formulas else None
+    masks = [m for m in masks if m.free_symbols <= {ROW, COL} and isinstance(m, sympy.logic.boolalg.Boolean)]
+    return sympy.Or(*masks) if masks else None
 
 
 # ---------------------------------------------------------------------------------------------- interval codegen
@@ -200,19 +189,13 @@ def _always(formula: sympy.Boolean, bounds: dict) -> tuple[str, str]:
     raise Unknown(formula)
 
 
-@dataclasses.dataclass(frozen=True)
-class TileTests:
-    """Triton expressions over m_lo, m_hi, n_lo, n_hi: every element of the tile masked / none masked."""
-
-    fully_masked: str
-    fully_visible: str
-
-
-def tile_tests(formula: sympy.Boolean) -> Optional[TileTests]:
+def fully_masked_tile_code(formula: Optional[sympy.Boolean]) -> Optional[str]:
+    """Triton expression, over m_lo, m_hi, n_lo, n_hi, that is true when every element of the tile is masked."""
+    if formula is None:
+        return None
     bounds = {ROW: _Interval("m_lo", "m_hi"), COL: _Interval("n_lo", "n_hi")}
     try:
-        everywhere, nowhere = _always(formula, bounds)
+        everywhere, _ = _always(formula, bounds)
     except Unknown:
         return None
-    return TileTests(fully_masked=everywhere, fully_visible=nowhere)
-
+    return everywhere
