@@ -41,7 +41,7 @@ class Variant:
     sdpa: Optional[Callable[..., Tensor]] = None
     visible_fraction: Callable[[Shape], float] = lambda shape: 1.0  # share of (m, n) pairs not masked
     self_attention: bool = False  # queries and keys are the same sequence (M == N), e.g. one document_id per token
-    kv_groups: int = 1  # query heads per key/value head (GQA/MQA): k and v get H // kv_groups heads
+    kv_groups: int = 1  # query heads per key/value head (GQA): k and v get H // kv_groups heads; 0 means MQA (one)
     key_fraction: float = 1.0  # cross-attention: N = key_fraction * the shape's sequence length
 
     def adapt(self, shape: Shape) -> Shape:
@@ -62,7 +62,7 @@ def make_inputs(variant: Variant, shape: Shape, device="cpu", dtype=torch.float3
     def rand(*size):
         return torch.randn(*size, generator=generator).to(device=device, dtype=dtype)
 
-    kv_heads = shape.H // variant.kv_groups
+    kv_heads = shape.H // variant.kv_groups if variant.kv_groups else 1
     q = rand(shape.B, shape.H, shape.M, shape.D)
     k = rand(shape.B, kv_heads, shape.N, shape.D)
     v = rand(shape.B, kv_heads, shape.N, shape.value_dim)
@@ -192,19 +192,24 @@ def causal_triu_additive(q, k, v):
 
 def _causal_mask_tensors(shape: Shape, device, dtype):
     keep = torch.ones(shape.M, shape.N, dtype=torch.bool, device=device).tril()
-    return {"keep": keep}
+    additive = torch.zeros(shape.M, shape.N, device=device, dtype=dtype).masked_fill(~keep, float("-inf"))
+    return {"keep": keep, "additive": additive}
 
 
-def causal_boolean_mask_passed_in(q, k, v, keep):
+def causal_boolean_mask_passed_in(q, k, v, keep, additive):
     scores = q @ k.transpose(-2, -1) * _scale(q)
     return torch.softmax(scores.masked_fill(~keep, float("-inf")), dim=-1) @ v
+
+
+def causal_additive_mask_passed_in(q, k, v, keep, additive):
+    return torch.softmax(q @ k.transpose(-2, -1) * _scale(q) + additive, dim=-1) @ v
 
 
 CAUSAL.idioms["triu_additive"] = causal_triu_additive
 
 CAUSAL_MASK_TENSOR = Variant(
     name="causal_mask_tensor",
-    idioms={"boolean_passed_in": causal_boolean_mask_passed_in},
+    idioms={"boolean_passed_in": causal_boolean_mask_passed_in, "additive_passed_in": causal_additive_mask_passed_in},
     extras=_causal_mask_tensors,
     flex_mask_mod=lambda extras: (lambda b, h, m, n: m >= n),
     visible_fraction=CAUSAL.visible_fraction,
@@ -402,6 +407,8 @@ def cross_attention_padded(q, k, v, memory_mask):
     return torch.softmax(scores, dim=-1) @ v
 
 
+MQA = Variant(name="mqa", idioms={"expand": gqa_expand}, kv_groups=0, flex_score_mod=lambda extras: None)
+
 CROSS = Variant(
     name="cross_attention",
     idioms={"padded_memory": cross_attention_padded},
@@ -415,6 +422,6 @@ VARIANTS: dict[str, Variant] = {
     v.name: v
     for v in (
         VANILLA, CAUSAL, CAUSAL_MASK_TENSOR, ALIBI, ALIBI_ARANGE, SOFTCAP_VARIANT, SLIDING_WINDOW, PREFIX_LM, DOCUMENT,
-        KEY_PADDING, HEAD_BIAS, T5_BIAS, GEMMA2, GQA, GQA_CAUSAL, CROSS,
+        KEY_PADDING, HEAD_BIAS, T5_BIAS, GEMMA2, GQA, GQA_CAUSAL, MQA, CROSS,
     )
 }
