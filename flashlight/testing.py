@@ -8,6 +8,8 @@ Inductor generates Triton code for CPU tensors when ``cpu_backend == "triton"``,
 * ``triton.language.extra.libdevice`` functions are empty stubs under the interpreter (they return None):
   NumPy implementations stand in for the ones Inductor emits.
 
+Inside the block, buffers the compiled code allocates are poisoned (NaN), so unwritten output elements show.
+
 Usage::
 
     with flashlight.testing.cpu_triton():
@@ -191,6 +193,23 @@ def _interpret_device_functions() -> Iterator[None]:
 
 
 @contextlib.contextmanager
+def _poisoned_cpu_allocations() -> Iterator[None]:
+    """Buffers that compiled code allocates on the CPU start as NaN (or an extreme integer), so an element a kernel
+    forgets to write shows up in the comparison with eager instead of passing on leftover memory."""
+    guards = torch._C._dynamo.guards
+    original = guards._empty_strided_cpu
+
+    def empty_strided_poisoned(size: Any, stride: Any, dtype: torch.dtype) -> torch.Tensor:
+        return poisoned_like(original(size, stride, dtype))
+
+    guards._empty_strided_cpu = empty_strided_poisoned
+    try:
+        yield
+    finally:
+        guards._empty_strided_cpu = original
+
+
+@contextlib.contextmanager
 def cpu_triton() -> Iterator[None]:
     """Inside the block, Inductor compiles CPU tensors to Triton and runs the kernels in the interpreter."""
     from torch._inductor import config as inductor_config
@@ -204,6 +223,7 @@ def cpu_triton() -> Iterator[None]:
         stack.enter_context(driver_context)
         stack.enter_context(_interpreter_libdevice())
         stack.enter_context(_interpret_device_functions())
+        stack.enter_context(_poisoned_cpu_allocations())
         stack.enter_context(inductor_config.patch(cpu_backend="triton", compile_threads=1))
         yield
 
@@ -272,10 +292,10 @@ def allocated_buffer_numels(code: str | Sequence[str]) -> list[int]:
 
 
 def poisoned_like(t: torch.Tensor) -> torch.Tensor:
-    """A tensor of ``t``'s shape full of NaN (floating) or an extreme value, so unwritten elements show."""
+    """``t`` filled in place with NaN (floating), True (bool) or the largest value (integers)."""
     if t.is_floating_point():
-        return torch.full_like(t, float("nan"))
-    return torch.full_like(t, torch.iinfo(t.dtype).max)
+        return t.fill_(float("nan"))
+    return t.fill_(True if t.dtype == torch.bool else torch.iinfo(t.dtype).max)
 
 
 def assert_close_to_reference(

@@ -50,6 +50,7 @@ def test_harness_changes_are_scoped():
         libdevice.exp,
         JITFunction.__call__,
         driver._active,
+        torch._C._dynamo.guards._empty_strided_cpu,
     )
     with testing.cpu_triton():
         assert os.environ["TRITON_INTERPRET"] == "1"
@@ -61,6 +62,7 @@ def test_harness_changes_are_scoped():
         libdevice.exp,
         JITFunction.__call__,
         driver._active,
+        torch._C._dynamo.guards._empty_strided_cpu,
     )
     assert after == before
 
@@ -70,3 +72,13 @@ def test_buffer_sizes_are_read_from_the_wrapper():
     with testing.cpu_triton():
         _, code = testing.compile_and_get_code(lambda t: (t.exp() @ t.T).sum(), x)
     assert 9 in testing.allocated_buffer_numels(code), "the 3x3 product must be a buffer"
+
+
+def test_compiled_buffers_start_poisoned_so_unwritten_elements_show():
+    from torch._inductor.utils import run_and_get_code
+
+    with testing.cpu_triton():
+        allocated = torch._C._dynamo.guards._empty_strided_cpu((3, 4), (4, 1), torch.float32)
+        assert allocated.isnan().all()
+        out, _ = run_and_get_code(torch.compile(lambda x: x * 2), torch.ones(5))
+    assert torch.equal(out, torch.full((5,), 2.0)), "every element the kernel writes overwrites the poison"
