@@ -41,8 +41,12 @@ class Program:
     upcast: bool
     scale_on: str  # "scores", "q", "k"
 
+    @property
+    def kv_heads(self) -> int:
+        return self.H // self.kv_groups if self.H % self.kv_groups == 0 else self.H
+
     def describe(self) -> str:
-        return (f"seed={self.seed} {self.layout} B{self.B} H{self.H}/{self.H // self.kv_groups} M{self.M} N{self.N} "
+        return (f"seed={self.seed} {self.layout} B{self.B} H{self.H}/{self.kv_heads} M{self.M} N{self.N} "
                 f"D{self.D} Dv{self.Dv} {str(self.dtype)[6:]} mod={self.score_mod} mask={self.mask} "
                 f"upcast={self.upcast} scale_on={self.scale_on}")
 
@@ -77,7 +81,7 @@ def make_inputs(p: Program) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]
     def rand(*size):
         return torch.randn(*size, generator=generator).to(p.dtype)
 
-    kv_heads = max(1, p.H // p.kv_groups) if p.H % p.kv_groups == 0 else p.H
+    kv_heads = p.kv_heads
     if p.layout == "bshd":
         q, k, v = rand(p.B, p.M, p.H, p.D), rand(p.B, p.N, kv_heads, p.D), rand(p.B, p.N, kv_heads, p.Dv)
     elif p.layout == "noncontiguous_k":
@@ -97,7 +101,7 @@ def make_inputs(p: Program) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]
 
 def build(p: Program) -> Callable:
     """The program as plain PyTorch, the way a user would write it for this combination."""
-    kv_heads = max(1, p.H // p.kv_groups) if p.H % p.kv_groups == 0 else p.H
+    kv_heads = p.kv_heads
 
     def program(q, k, v, bias, keep, additive, lengths, doc):
         if p.layout == "bshd":
