@@ -27,11 +27,13 @@ def _relative_error(out, ref) -> float:
     return float((out.double() - ref).norm() / ref.norm())
 
 
-def run(shape: Shape, dtype: torch.dtype, gpu: bool) -> None:
+def run(shape: Shape, dtype: torch.dtype, gpu: bool) -> list[tuple[str, bool, int, float]]:
+    """Print one line per variant; return (variant, fused, kernel count, relative error) for each."""
     import contextlib
 
     counters = torch._dynamo.utils.counters
-    header = f"{'variant':16} {'fused':>6} {'kernels':>7} {'rel err':>9}"
+    results = []
+    header = f"{'variant':20} {'fused':>6} {'kernels':>7} {'rel err':>9}"
     if gpu:
         header += f" {'eager ms':>9} {'compile ms':>10} {'flashlight ms':>13} {'speedup vs compile':>18}"
     print(header)
@@ -43,8 +45,9 @@ def run(shape: Shape, dtype: torch.dtype, gpu: bool) -> None:
         with harness, config.patch(sdpa_pattern_policy="flashlight"):
             out, code = testing.compile_and_get_code(fn, q, k, v, **extras)
         fused = counters["inductor"]["flashlight_attention_fused"] == 1
-        line = f"{variant.name:16} {'yes' if fused else 'NO':>6} {len(testing.triton_kernels(code)):>7} "
-        line += f"{_relative_error(out, _reference(fn, q, k, v, extras)):>9.1e}"
+        kernels, error = len(testing.triton_kernels(code)), _relative_error(out, _reference(fn, q, k, v, extras))
+        results.append((variant.name, fused, kernels, error))
+        line = f"{variant.name:20} {'yes' if fused else 'NO':>6} {kernels:>7} {error:>9.1e}"
         if gpu:
             from triton.testing import do_bench
 
@@ -59,6 +62,7 @@ def run(shape: Shape, dtype: torch.dtype, gpu: bool) -> None:
             times = [do_bench(lambda f=f: f(q, k, v, **extras), return_mode="median") for f in (fn, upstream, ours)]
             line += f" {times[0]:>9.3f} {times[1]:>10.3f} {times[2]:>13.3f} {times[1] / times[2]:>17.1f}×"
         print(line, flush=True)
+    return results
 
 
 def main() -> None:
@@ -71,8 +75,8 @@ def main() -> None:
         shape, dtype = Shape(B=4, H=16, M=2048, N=2048, D=64), torch.bfloat16
         where = f"{torch.cuda.get_device_name()}, bf16, B×H×S×D = 4×16×2048×64"
     else:
-        shape, dtype = Shape(B=1, H=2, M=64, N=64, D=16), torch.float32
-        where = "CPU, Triton interpreter, fp32, B×H×S×D = 1×2×64×16 (no GPU: correctness only, no timings)"
+        shape, dtype = Shape(B=1, H=4, M=64, N=64, D=16), torch.float32
+        where = "CPU, Triton interpreter, fp32, B×H×S×D = 1×4×64×16 (no GPU: correctness only, no timings)"
     print(f"Flashlight demo — torch {torch.__version__} — {where}")
     start = time.perf_counter()
     run(shape, dtype, gpu)

@@ -62,7 +62,7 @@ def make_inputs(variant: Variant, shape: Shape, device="cpu", dtype=torch.float3
     def rand(*size):
         return torch.randn(*size, generator=generator).to(device=device, dtype=dtype)
 
-    kv_heads = shape.H // variant.kv_groups if variant.kv_groups else 1
+    kv_heads = max(1, shape.H // variant.kv_groups) if variant.kv_groups else 1
     q = rand(shape.B, shape.H, shape.M, shape.D)
     k = rand(shape.B, kv_heads, shape.N, shape.D)
     v = rand(shape.B, kv_heads, shape.N, shape.value_dim)

@@ -1,0 +1,15 @@
+"""The README's main job must keep working: every variant of the library fuses and matches eager on the CPU."""
+
+import torch
+
+from benchmarks import demo
+from benchmarks.variants import VARIANTS, Shape
+
+
+def test_demo_fuses_every_variant_on_the_cpu(capsys):
+    results = demo.run(Shape(B=1, H=4, M=32, N=32, D=16), torch.float32, gpu=False)
+    assert [name for name, *_ in results] == list(VARIANTS)
+    for name, fused, kernels, error in results:
+        assert fused and kernels == 1, name
+        assert error < 1e-5, (name, error)
+    assert "NO" not in capsys.readouterr().out
