@@ -131,3 +131,23 @@ def test_cached_kernels_follow_the_overlay_state():
     (fused,), (upstream,) = kernels[True], kernels[False]
     assert len(fused) == 1 and fused[0].startswith("triton_tem_")
     assert all(not name.startswith("triton_tem_") for name in upstream)
+
+
+def test_torch_logs_flashlight_shows_fused_and_declined_attention():
+    probe = textwrap.dedent(
+        """
+        import torch
+        from flashlight import testing
+        from benchmarks.variants import causal_masked_fill
+        q = torch.randn(1, 2, 16, 16)
+        with testing.cpu_triton():
+            testing.compile_and_get_code(causal_masked_fill, q, q, q)
+            testing.compile_and_get_code(lambda q, k, v: torch.softmax(q @ k.transpose(-1, -2) + 1, -2) @ v, q, q, q)
+        """
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("FLASHLIGHT_", "TRITON_INTERPRET"))}
+    env.update(TORCH_LOGS="flashlight", PYTHONPATH=os.getcwd())
+    result = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr
+    assert "attention fused at" in result.stderr
+    assert "attention not fused at" in result.stderr and "reduce the last dim" in result.stderr
