@@ -1,0 +1,51 @@
+"""Time the fused kernel with one tile config at a time (GPU), to choose the autotuning space.
+
+    PYTHONPATH=. python tools/tile_config_sweep.py causal,alibi 4x32x4096x64 > sweep.txt
+"""
+
+import sys
+
+import torch
+import triton
+
+import flashlight
+from benchmarks.bench_attention import parse_shape
+from benchmarks.variants import VARIANTS, make_inputs
+from inductor_overlay.kernel import online_softmax_attention as kernel
+
+CANDIDATES = {
+    64: [(128, 64, 4, 3), (128, 128, 8, 3), (64, 64, 4, 3), (128, 32, 4, 4), (128, 128, 4, 3), (64, 128, 4, 3),
+         (128, 64, 8, 3), (128, 64, 4, 4), (128, 128, 8, 2), (64, 64, 4, 4)],
+    128: [(128, 64, 8, 3), (128, 32, 4, 3), (64, 64, 4, 3), (128, 128, 8, 2), (128, 64, 4, 3), (64, 128, 4, 3),
+          (128, 128, 8, 3), (128, 64, 8, 2), (64, 64, 4, 2)],
+}
+
+
+def main() -> None:
+    flashlight.enable()
+    variants, shapes = sys.argv[1].split(","), sys.argv[2].split(",")
+    original = kernel.kernel_configs
+    for shape_text in shapes:
+        shape = parse_shape(shape_text)
+        for name in variants:
+            variant = VARIANTS[name]
+            q, k, v, extras = make_inputs(variant, shape, device="cuda", dtype=torch.bfloat16)
+            for m, n, warps, stages in CANDIDATES[shape.D]:
+                kernel.kernel_configs = lambda d, device, c=(m, n, warps, stages): [
+                    dict(BLOCK_M=c[0], BLOCK_N=c[1], num_warps=c[2], num_stages=c[3])
+                ]
+                torch._dynamo.reset()
+                try:
+                    fn = torch.compile(variant.reference)
+                    fn(q, k, v, **extras)
+                    ms = triton.testing.do_bench(lambda: fn(q, k, v, **extras), warmup=25, rep=100, return_mode="median")
+                except Exception as err:  # a config that does not compile is a row, not a dead sweep
+                    ms = float("nan")
+                    print(f"  failed: {type(err).__name__}", flush=True)
+                print(f"{name:12} {shape_text:14} BLOCK_M={m:3} BLOCK_N={n:3} warps={warps} stages={stages}  {ms:.4f} ms",
+                      flush=True)
+    kernel.kernel_configs = original
+
+
+if __name__ == "__main__":
+    main()
