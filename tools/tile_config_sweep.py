@@ -7,6 +7,7 @@ import sys
 
 import torch
 import triton
+from torch._inductor.utils import fresh_cache
 
 import flashlight
 from benchmarks.bench_attention import parse_shape
@@ -36,8 +37,9 @@ def main() -> None:
                 ]
                 torch._dynamo.reset()
                 try:
-                    fn = torch.compile(variant.reference)
-                    fn(q, k, v, **extras)
+                    with fresh_cache():  # the config is not part of Inductor's cache key
+                        fn = torch.compile(variant.reference)
+                        fn(q, k, v, **extras)
                     ms = triton.testing.do_bench(lambda: fn(q, k, v, **extras), warmup=25, rep=100, return_mode="median")
                 except Exception as err:  # a config that does not compile is a row, not a dead sweep
                     ms = float("nan")
