@@ -189,10 +189,11 @@ def kernel_configs(head_dim: int, device: torch.device) -> list[dict[str, int]]:
     """Tile sizes to autotune over (BLOCK_M, BLOCK_N, warps, stages), pruned by head dim."""
     if device.type != "cuda" or _interpreting():
         return [dict(BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=1)]
+    # From benchmarks/results/h100_2026-11-22_tile_sweep (causal and soft-cap, bf16): the winners and runners-up.
     if head_dim <= 64:
-        shapes = [(128, 64, 4, 3), (128, 128, 8, 3), (64, 64, 4, 3), (128, 32, 4, 4)]
+        shapes = [(64, 64, 4, 3), (128, 64, 8, 3), (128, 128, 4, 3)]
     elif head_dim <= 128:
-        shapes = [(128, 64, 8, 3), (128, 32, 4, 3), (64, 64, 4, 3), (128, 128, 8, 2)]
+        shapes = [(64, 64, 4, 3), (128, 128, 8, 3), (128, 32, 4, 3)]
     else:
         shapes = [(64, 32, 4, 2), (64, 64, 8, 2), (32, 32, 4, 2)]
     return [dict(BLOCK_M=m, BLOCK_N=n, num_warps=w, num_stages=s) for m, n, w, s in shapes]
