@@ -239,3 +239,18 @@ def test_dynamic_sequence_length_fuses_when_the_chain_needs_no_dynamic_size():
             testing.assert_close_to_reference(compiled(q, k, v), reference(softcapped, q, k, v))
     assert counters["inductor"]["flashlight_attention_fused"] == 1, "one dynamic graph, fused once"
     assert counters["inductor"]["flashlight_fault_fallback"] == 0
+
+
+def test_two_attention_layers_in_one_graph_both_fuse():
+    def two_layers(x, wq, wk, wv):
+        for _ in range(2):
+            q, k, v = (torch.einsum("bsd,de->bse", x, w).view(2, 24, 4, 8).transpose(1, 2) for w in (wq, wk, wv))
+            x = x + variants.causal_masked_fill(q, k, v).transpose(1, 2).reshape(2, 24, 32)
+        return x
+
+    x, weights = fresh(2, 24, 32), [fresh(32, 32) * 0.2 for _ in range(3)]
+    with testing.cpu_triton():
+        out, code = testing.compile_and_get_code(two_layers, x, *weights)
+    assert counters["inductor"]["flashlight_attention_fused"] == 2
+    FileCheck().check_count("for start_n in range(", 2, exactly=True).run("\n".join(testing.triton_kernels(code).values()))
+    testing.assert_close_to_reference(out, reference(two_layers, x, *weights), rtol=1e-4, atol=1e-5)
