@@ -129,101 +129,52 @@ _LIBDEVICE_NUMPY: dict[str, Callable[..., np.ndarray]] = {
 }
 
 
-@contextlib.contextmanager
-def _interpreter_libdevice() -> Iterator[None]:
-    from triton.language.extra import libdevice
-
-    saved = {name: getattr(libdevice, name) for name in _LIBDEVICE_NUMPY if hasattr(libdevice, name)}
-    try:
-        for name in saved:
-            setattr(libdevice, name, _np_unary(_LIBDEVICE_NUMPY[name]))
-        yield
-    finally:
-        for name, original in saved.items():
-            setattr(libdevice, name, original)
-
-
-@contextlib.contextmanager
-def _environment(name: str, value: str) -> Iterator[None]:
-    previous = os.environ.get(name)
-    os.environ[name] = value
-    try:
-        yield
-    finally:
-        if previous is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = previous
-
-
-@contextlib.contextmanager
-def _active_driver(driver: Any) -> Iterator[None]:
-    from triton.runtime.driver import driver as triton_driver
-
-    previous = triton_driver._active
-    triton_driver.set_active(driver)
-    try:
-        yield
-    finally:
-        triton_driver._active = previous
-
-
-@contextlib.contextmanager
-def _interpret_device_functions() -> Iterator[None]:
-    """Run ``@triton.jit`` helpers (``tl.sum``, Inductor's ``triton_helpers``) through the interpreter.
-
-    Helpers decorated before ``TRITON_INTERPRET`` was set are compiled-mode ``JITFunction``s, which refuse
-    to be called from Python; inside the block a call interprets the helper's source instead.
-    """
+def _interpreted_device_function_call() -> Callable[..., Any]:
+    """A ``JITFunction.__call__`` that runs ``@triton.jit`` helpers (``tl.sum``, Inductor's ``triton_helpers``)
+    through the interpreter: helpers decorated before ``TRITON_INTERPRET`` was set are compiled-mode
+    ``JITFunction``s, which refuse to be called from Python."""
     from triton.runtime.interpreter import InterpretedFunction
-    from triton.runtime.jit import JITFunction
 
     interpreted: dict[int, InterpretedFunction] = {}
 
-    def call_interpreted(self: JITFunction, *args: Any, **kwargs: Any) -> Any:
+    def call_interpreted(self: Any, *args: Any, **kwargs: Any) -> Any:
         helper = interpreted.setdefault(id(self), InterpretedFunction(self.fn))
         return helper(*args, **kwargs)
 
-    original = JITFunction.__call__
-    JITFunction.__call__ = call_interpreted
-    try:
-        yield
-    finally:
-        JITFunction.__call__ = original
+    return call_interpreted
 
 
-@contextlib.contextmanager
-def _poisoned_cpu_allocations() -> Iterator[None]:
+def _poisoned_allocator(allocate: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
     """Buffers that compiled code allocates on the CPU start as NaN (or an extreme integer), so an element a kernel
     forgets to write shows up in the comparison with eager instead of passing on leftover memory."""
-    guards = torch._C._dynamo.guards
-    original = guards._empty_strided_cpu
 
     def empty_strided_poisoned(size: Any, stride: Any, dtype: torch.dtype) -> torch.Tensor:
-        return poisoned_like(original(size, stride, dtype))
+        return poisoned_like(allocate(size, stride, dtype))
 
-    guards._empty_strided_cpu = empty_strided_poisoned
-    try:
-        yield
-    finally:
-        guards._empty_strided_cpu = original
+    return empty_strided_poisoned
 
 
 @contextlib.contextmanager
 def cpu_triton() -> Iterator[None]:
     """Inside the block, Inductor compiles CPU tensors to Triton and runs the kernels in the interpreter."""
-    from torch._inductor import config as inductor_config
+    from unittest import mock
 
-    if torch.cuda.is_available():
-        driver_context: Any = contextlib.nullcontext()
-    else:
-        driver_context = _active_driver(_stub_driver())
+    from torch._inductor import config as inductor_config
+    from triton.language.extra import libdevice
+    from triton.runtime.driver import driver
+    from triton.runtime.jit import JITFunction
+
+    guards = torch._C._dynamo.guards
+    numpy_libdevice = {name: _np_unary(fn) for name, fn in _LIBDEVICE_NUMPY.items() if hasattr(libdevice, name)}
     with contextlib.ExitStack() as stack:
-        stack.enter_context(_environment(_INTERPRET, "1"))
-        stack.enter_context(driver_context)
-        stack.enter_context(_interpreter_libdevice())
-        stack.enter_context(_interpret_device_functions())
-        stack.enter_context(_poisoned_cpu_allocations())
+        stack.enter_context(mock.patch.dict(os.environ, {_INTERPRET: "1"}))
+        if not torch.cuda.is_available():
+            stack.enter_context(mock.patch.object(driver, "_active", _stub_driver()))
+        stack.enter_context(mock.patch.multiple(libdevice, **numpy_libdevice))
+        stack.enter_context(mock.patch.object(JITFunction, "__call__", _interpreted_device_function_call()))
+        stack.enter_context(
+            mock.patch.object(guards, "_empty_strided_cpu", _poisoned_allocator(guards._empty_strided_cpu))
+        )
         stack.enter_context(inductor_config.patch(cpu_backend="triton", compile_threads=1))
         yield
 

@@ -38,13 +38,14 @@ def test_numeric_check_catches_a_wrong_result():
         testing.assert_close_to_reference(torch.full((2,), float("nan")), torch.zeros(2, dtype=torch.float64))
 
 
-def test_harness_changes_are_scoped():
+def _global_state():
+    """Everything cpu_triton() changes, as it stands now."""
     from torch._inductor import config as inductor_config
     from triton.language.extra import libdevice
     from triton.runtime.driver import driver
     from triton.runtime.jit import JITFunction
 
-    before = (
+    return (
         os.environ.get("TRITON_INTERPRET"),
         inductor_config.cpu_backend,
         libdevice.exp,
@@ -52,19 +53,18 @@ def test_harness_changes_are_scoped():
         driver._active,
         torch._C._dynamo.guards._empty_strided_cpu,
     )
+
+
+def test_harness_changes_are_scoped():
+    from torch._inductor import config as inductor_config
+    from triton.language.extra import libdevice
+
+    before = _global_state()
     with testing.cpu_triton():
         assert os.environ["TRITON_INTERPRET"] == "1"
         assert inductor_config.cpu_backend == "triton"
         assert libdevice.exp is not before[2]
-    after = (
-        os.environ.get("TRITON_INTERPRET"),
-        inductor_config.cpu_backend,
-        libdevice.exp,
-        JITFunction.__call__,
-        driver._active,
-        torch._C._dynamo.guards._empty_strided_cpu,
-    )
-    assert after == before
+    assert _global_state() == before
 
 
 def test_buffer_sizes_are_read_from_the_wrapper():

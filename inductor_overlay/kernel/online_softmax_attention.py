@@ -36,8 +36,9 @@ from inductor_overlay.ops import SCORE_CHAINS
 # Dimension elimination keeps a whole head dim in one tile; above this a tile would not fit in registers.
 MAX_HEAD_DIM = 256
 
-# Template variables holding the tile's positions, read by the user's chain: flattened batch entry, rows, columns.
-TILE_POSITIONS = {"fl_z": (), "fl_m": ("BLOCK_M", "1"), "fl_n": ("1", "BLOCK_N")}
+# Template variables holding the tile's positions, read by the user's chain: flattened batch entry, rows, columns
+# (their block shapes are given to the modification site in the template).
+TILE_POSITIONS = ("fl_z", "fl_m", "fl_n")
 
 
 @SymbolicGridFn
