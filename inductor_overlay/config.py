@@ -18,6 +18,11 @@ fault_containment: bool = os.environ.get("FLASHLIGHT_FAULT_CONTAINMENT", "1") !=
 # Technique 1-4 together: fuse softmax(chain(q @ kᵀ)) @ v into one online-softmax Triton kernel.
 attention_fusion: bool = os.environ.get("FLASHLIGHT_ATTENTION_FUSION", "1") != "0"
 
+# Matmuls fed by pointwise ops of another matmul with no softmax between (sigmoid attention, (A·B)·C) fuse only
+# where the kernel beats two GEMMs: inner dims (D, Dv) up to this, and on a GPU at least this many rows (M·batch)
+# so the row tiles fill the machine (the fused kernel does not split N).
+linear_fusion_max_inner_dim: int = 128
+linear_fusion_min_rows: int = 16384
 
 # Skip key tiles that the user's position mask (causal, sliding window, ...) sets entirely to -inf.
 block_skipping: bool = os.environ.get("FLASHLIGHT_BLOCK_SKIPPING", "1") != "0"

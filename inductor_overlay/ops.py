@@ -1,7 +1,8 @@
 """``flashlight::online_softmax_attention``: the fused node the attention pass puts into the post-grad graph.
 
 ``out[z] = softmax_N(chain(q[z] @ kt[z])) @ v[z]`` where ``chain`` is the user's own pointwise program between
-the two matmuls (a GraphModule kept in :data:`SCORE_CHAINS`, keyed by the op's ``chain_id``). Each operand keeps the
+the two matmuls. With a ``sink`` (one logit per row) the softmax runs over one more column, which meets no V. A
+chain registered with ``softmax=False`` meets V directly: ``out[z] = chain(q[z] @ kt[z]) @ v[z]``. ``chain`` is kept (a GraphModule kept in :data:`SCORE_CHAINS`, keyed by the op's ``chain_id``). Each operand keeps the
 batch dims it had before the matmul flattened them (q ``[*bq, M, D]``, kt ``[*bk, D, N]``, v ``[*bv, N, Dv]``, each
 batch flattening row-major to the same Z entries); the output is ``[Z, M, Dv]``, as the matmul's was. The chain
 sees scores shaped ``[*batch, M, N]`` with ``prod(batch) == Z``, exactly as in the user's graph.
@@ -26,6 +27,8 @@ class ScoreChain:
     score_dtype: torch.dtype  # dtype of q @ kt in the user's graph
     probability_dtype: torch.dtype  # dtype the probabilities had when they met v
     masked_tile_code: Optional[str] = None  # Triton test that a tile is entirely -inf by position (block skipping)
+    softmax: bool = True  # False: no normalisation, the chain's output meets V (sigmoid attention, (A·B)·C)
+    sink_scale: float = 1.0  # the softmax's logit scale, applied to the sink logit as to the others
 
 
 SCORE_CHAINS: dict[int, ScoreChain] = {}
@@ -40,22 +43,28 @@ def register_score_chain(chain: ScoreChain) -> int:
 
 _library = torch.library.Library("flashlight", "DEF")
 _library.define(
-    "online_softmax_attention(Tensor q, Tensor kt, Tensor v, Tensor[] captured, int chain_id) -> Tensor"
+    "online_softmax_attention(Tensor q, Tensor kt, Tensor v, Tensor[] captured, Tensor? sink, int chain_id) -> Tensor"
 )
 
 
 @torch.library.impl(_library, "online_softmax_attention", "CompositeExplicitAutograd")
-def online_softmax_attention_eager(q, kt, v, captured, chain_id):
+def online_softmax_attention_eager(q, kt, v, captured, sink, chain_id):
     """The unfused meaning of the op, written as the user's graph computes it."""
     chain = SCORE_CHAINS[chain_id]
     z, (m, d), (n, dv) = math.prod(chain.batch_shape), q.shape[-2:], v.shape[-2:]
     scores = torch.bmm(q.reshape(z, m, d), kt.reshape(z, d, n)).view(*chain.batch_shape, m, n)
     logits = chain.graph_module(scores, *captured)
-    probabilities = torch.softmax(logits, dim=-1).to(chain.probability_dtype)
+    if not chain.softmax:
+        probabilities = logits.to(chain.probability_dtype)
+    elif sink is None:
+        probabilities = torch.softmax(logits, dim=-1).to(chain.probability_dtype)
+    else:
+        sink_logits = sink.expand(*chain.batch_shape, m, 1).to(logits.dtype) * chain.sink_scale
+        probabilities = torch.softmax(torch.cat([logits, sink_logits], -1), dim=-1)[..., :n].to(chain.probability_dtype)
     return torch.bmm(probabilities.reshape(z, m, n), v.reshape(z, n, dv))
 
 
 @torch.library.register_fake("flashlight::online_softmax_attention")
-def online_softmax_attention_fake(q, kt, v, captured, chain_id):
+def online_softmax_attention_fake(q, kt, v, captured, sink, chain_id):
     z = math.prod(SCORE_CHAINS[chain_id].batch_shape)
     return q.new_empty(z, q.shape[-2], v.shape[-1], dtype=v.dtype)

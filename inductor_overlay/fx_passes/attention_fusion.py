@@ -27,6 +27,7 @@ import contextlib
 import dataclasses
 import logging
 import math
+import operator
 from typing import Optional, Union
 
 import torch
@@ -81,6 +82,8 @@ class AttentionRegion:
     internal: set[torch.fx.Node]  # nodes that become dead once pv is replaced
     probability_dtype: torch.dtype
     logit_scale: float  # positive constant the softmax applies to the logits
+    softmax: bool  # False: the chain's output meets V directly (sigmoid attention, chained matmuls)
+    sink: Optional[torch.fx.Node]  # a per-row logit that joins the softmax as a dropped extra column (attention sinks)
     operand_scale: float  # constant factor taken off q or k (moved onto the scores, where it is free)
     q: "BatchSource"  # operands as the kernel reads them: [*batch, M, D], [*batch, D, N], [*batch, N, Dv]
     kt: "BatchSource"
@@ -317,14 +320,85 @@ def _replay_views_without_scale(graph: torch.fx.Graph, operand: torch.fx.Node, s
     return replayed
 
 
-def find_attention(pv: torch.fx.Node) -> Union[Decline, AttentionRegion]:
-    """Decide whether ``pv`` is the output matmul of a fusable attention, by rules 1–4 of the module doc."""
+def _strip_dropped_last_column(p: torch.fx.Node) -> tuple[torch.fx.Node, list[torch.fx.Node]]:
+    """``probs[..., :-1]``: the softmax ran over one more column than meets V (an attention sink)."""
+    if _is(p, aten.slice.Tensor) and isinstance(p.args[0], torch.fx.Node) and _val(p.args[0]) is not None:
+        source = _val(p.args[0])
+        dim, start, end = (list(p.args[1:]) + [0, None, None])[:3]
+        step = p.args[4] if len(p.args) > 4 else 1
+        last = source.shape[-1]
+        if dim % source.dim() == source.dim() - 1 and start in (0, None) and step == 1 and end in (-1, last - 1):
+            return p.args[0], [p]
+    return p, []
+
+
+def _strip_row_shift(logits: torch.fx.Node) -> tuple[torch.fx.Node, list[torch.fx.Node]]:
+    """``x - max_N x`` written by the user before a softmax: a softmax is invariant to a shift constant along N,
+    so the logits are ``x`` (a fully -inf row is NaN either way)."""
+    if not _is(logits, aten.sub.Tensor) or not isinstance(logits.args[1], torch.fx.Node):
+        return logits, []
+    x, shift = logits.args
+    if len(shift.users) != 1:
+        return logits, []
+    if _is(shift, aten.amax.default) and shift.args[0] is x and _reduces_last_dim_keepdim(shift, x):
+        return x, [shift, logits]
+    if _is(shift, operator.getitem) and shift.args[1] == 0 and _is(shift.args[0], aten.max.dim):
+        row_max = shift.args[0]
+        dim, keepdim = (list(row_max.args[1:]) + [False])[:2]
+        rank = _val(x).dim()
+        if row_max.args[0] is x and keepdim and dim % rank == rank - 1 and len(row_max.users) == 1:
+            return x, [row_max, shift, logits]
+    return logits, []
+
+
+def _split_sink(logits: torch.fx.Node) -> Union[Decline, tuple[torch.fx.Node, torch.fx.Node, list[torch.fx.Node]]]:
+    """``cat([x, sink], -1)`` with one sink logit per row: the softmax's extra column (see ``AttentionRegion.sink``)."""
+    if not (_is(logits, aten.cat.default) and len(logits.args[0]) == 2):
+        return Decline("a column is dropped after the softmax, but its logits are not cat([scores, sink], -1)")
+    x, sink = logits.args[0]
+    dim = logits.args[1] if len(logits.args) > 1 else 0
+    rank = _val(logits).dim()
+    if dim % rank != rank - 1 or _val(sink) is None or _val(sink).shape[-1] != 1:
+        return Decline("the dropped softmax column is not one logit per row")
+    return x, sink, [logits]
+
+
+def _match_linear(p: torch.fx.Node, head_dims: tuple[int, int], rows: int) -> Optional[Decline]:
+    """Profitability of a matmul fed by pointwise ops of another matmul, with no softmax (sigmoid attention,
+    ``(A·B)·C``): always legal; fused only where the kernel beats two GEMMs (small inner dims, enough row tiles)."""
+    if max(head_dims) > config.linear_fusion_max_inner_dim:
+        return Decline(
+            f"no softmax and inner dim {max(head_dims)} > {config.linear_fusion_max_inner_dim}: two GEMMs are faster"
+        )
+    if _val(p).device.type == "cuda" and rows < config.linear_fusion_min_rows:
+        return Decline(f"no softmax and only {rows} rows: too few row tiles to fill the GPU")
+    return None
+
+
+def find_attention(pv: torch.fx.Node, dead: frozenset = frozenset()) -> Union[Decline, AttentionRegion]:
+    """Decide whether ``pv`` is the output matmul of a fusable attention, by rules 1–4 of the module doc.
+    Users of the region in ``dead`` are about to be removed (a rewrite is asking) and do not count for rule 4."""
     p_operand, v = _matmul_operands(pv)
     p, passthrough = _strip_order_preserving(p_operand, also=(prims.convert_element_type.default,))
+    p, dropped_column = _strip_dropped_last_column(p)
+    passthrough += dropped_column
     matched = _match_normalised_exp(p)
+    sink = None
     if isinstance(matched, Decline):
-        return matched
-    logits, softmax_nodes, logit_scale = matched
+        if dropped_column or _looks_like_softmax_input(pv):
+            return matched
+        logits, softmax_nodes, logit_scale, softmax = p, [], 1.0, False
+    else:
+        logits, softmax_nodes, logit_scale = matched
+        logits, shift_nodes = _strip_row_shift(logits)
+        softmax_nodes += shift_nodes
+        softmax = True
+        if dropped_column:
+            split = _split_sink(logits)
+            if isinstance(split, Decline):
+                return split
+            logits, sink, cat_nodes = split
+            softmax_nodes += cat_nodes
     if _val(logits) is None or _val(logits).dim() < 2:
         return Decline("the logits have no static metadata")
     qk_candidates = [n for n in logits.graph.nodes if _is(n, _MATMULS) and n is not pv]
@@ -337,7 +411,7 @@ def find_attention(pv: torch.fx.Node) -> Union[Decline, AttentionRegion]:
     score_root, chain, captured = collected
     if any(not isinstance(c.meta.get("val"), torch.Tensor) for c in captured):
         return Decline("the score chain computes with a dynamic size (e.g. a mask built from a dynamic length)")
-    if any(_depends_on(c, qk, {}) for c in captured):
+    if any(_depends_on(c, qk, {}) for c in captured) or (sink is not None and _depends_on(sink, qk, {})):
         return Decline("a tensor read by the score chain depends on the scores")
 
     q, kt = _matmul_operands(qk)
@@ -354,6 +428,10 @@ def find_attention(pv: torch.fx.Node) -> Union[Decline, AttentionRegion]:
         return Decline(f"head dim {max(head_dims)} exceeds {MAX_HEAD_DIM}, the largest kept whole in one tile")
     if math.prod(_val(score_root).shape) != math.prod(_val(p_operand).shape):
         return Decline("the probabilities are broadcast before the output matmul")
+    if not softmax:
+        unprofitable = _match_linear(p, head_dims, math.prod(_val(score_root).shape[:-1]))
+        if unprofitable is not None:
+            return unprofitable
 
     operand_scale = 1.0
     for operand in (_batch_source(q).node, _batch_source(kt).node):
@@ -363,7 +441,7 @@ def find_attention(pv: torch.fx.Node) -> Union[Decline, AttentionRegion]:
     scores = [qk, *_strip_order_preserving(score_root)[1]]
     internal = set(scores) | {n for n in chain if _depends_on(n, qk, {})} | set(softmax_nodes) | set(passthrough)
     for node in internal:
-        outside = [u for u in node.users if u not in internal and u is not pv]
+        outside = [u for u in node.users if u not in internal and u is not pv and u not in dead]
         if outside:
             user = "a graph output (e.g. saved for backward)" if outside[0].op == "output" else f"`{outside[0].name}`"
             return Decline(f"`{node.name}` is also used outside the attention (rule 4), by {user}")
@@ -377,6 +455,8 @@ def find_attention(pv: torch.fx.Node) -> Union[Decline, AttentionRegion]:
         internal=internal,
         probability_dtype=_val(p_operand).dtype,
         logit_scale=logit_scale,
+        softmax=softmax,
+        sink=sink,
         operand_scale=operand_scale,
         q=_batch_source(q),
         kt=_batch_source(kt),
@@ -412,19 +492,26 @@ def fuse(region: AttentionRegion) -> torch.fx.Node:
             score_dtype=_val(region.qk).dtype,
             probability_dtype=region.probability_dtype,
             masked_tile_code=fully_masked_tile_code(masked_positions(region.chain, len(score_shape)))
-            if config.block_skipping
+            if config.block_skipping and region.softmax
             else None,
+            softmax=region.softmax,
+            sink_scale=region.logit_scale,
         )
     )
     with graph.inserting_before(region.pv):
         q, kt, v = (_materialise(graph, source) for source in (region.q, region.kt, region.v))
+        sink = region.sink
+        if sink is not None and tuple(_val(sink).shape) != (*score_shape[:-1], 1):
+            sink = graph.call_function(aten.expand.default, (sink, [*score_shape[:-1], 1]))
+            sink.meta["val"] = _val(region.sink).expand(*score_shape[:-1], 1)
         fused = graph.call_function(
-            torch.ops.flashlight.online_softmax_attention.default, (q, kt, v, list(region.captured), chain_id)
+            torch.ops.flashlight.online_softmax_attention.default, (q, kt, v, list(region.captured), sink, chain_id)
         )
         fake_mode = torch._guards.detect_fake_mode([_val(q)])
         with fake_mode or contextlib.nullcontext():
             fused.meta["val"] = torch.ops.flashlight.online_softmax_attention.default(
-                _val(q), _val(kt), _val(v), [_val(c) for c in region.captured], chain_id
+                _val(q), _val(kt), _val(v), [_val(c) for c in region.captured], _val(sink) if sink is not None else None,
+                chain_id,
             )
         result = fused
         if _val(region.pv).dim() == 2:

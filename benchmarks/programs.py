@@ -1,0 +1,190 @@
+"""Programs FlexAttention cannot express (issue 6), written the way their authors write them in plain PyTorch.
+
+Each program has a function, an input maker (fresh random tensors at a named size), a FLOP count of the work it
+must do, and the structure we expect it to fuse into (number of kernels and of dots per kernel). The tests, the demo
+and ``benchmarks/bench_programs.py`` all draw from here, so they exercise the same code.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Callable
+
+import torch
+
+Tensor = torch.Tensor
+
+
+def _causal(m: int, n: int, device) -> Tensor:
+    return torch.ones(m, n, dtype=torch.bool, device=device).triu(1)
+
+
+# ---------------------------------------------------------------- differential attention (DIFF Transformer)
+def diff_attention(q, k, v, lam):
+    """q, k: [B, 2h, S, d]; v: [B, h, S, 2d]; lam: a 0-d tensor (λ, computed from parameters in the model).
+    Two softmaxes per head, over the two halves of the query/key heads, subtracted before meeting V."""
+    b, two_h, m, d = q.shape
+    weights = torch.softmax(q @ k.transpose(-1, -2) * d**-0.5, dim=-1)
+    weights = weights.view(b, two_h // 2, 2, m, k.shape[-2])
+    return (weights[:, :, 0] - lam * weights[:, :, 1]) @ v
+
+
+def diff_inputs(B=2, H=4, S=40, D=16, device="cpu", dtype=torch.float32, generator=None):
+    """H counts query/key heads (2h); V has h = H/2 heads of width 2D."""
+    rand = _rand(generator, device, dtype)
+    return dict(q=rand(B, H, S, D), k=rand(B, H, S, D), v=rand(B, H // 2, S, 2 * D),
+                lam=torch.tensor(0.8, device=device, dtype=dtype))
+
+
+def diff_flops(B, H, S, D, **_):
+    # Both softmaxes: QKᵀ over H heads of width D, then each of the two P·V products over h = H/2 heads of width 2D.
+    return 2.0 * B * H * S * S * D + 2 * 2.0 * B * (H // 2) * S * S * (2 * D)
+
+
+# ---------------------------------------------------------------- Evoformer row-wise gated self-attention
+def evoformer_row_attention(q, k, v, mask_bias, pair_bias, gate):
+    """AlphaFold2's MSA row attention with pair bias. q, k, v, gate: [B, N_seq, S, H, D] (as projected);
+    mask_bias: [B, N_seq, 1, 1, S]; pair_bias: [B, 1, H, S, S]."""
+    q = q.transpose(-2, -3) * q.shape[-1] ** -0.5
+    k, v = k.transpose(-2, -3), v.transpose(-2, -3)
+    weights = torch.softmax(q @ k.transpose(-1, -2) + mask_bias + pair_bias, dim=-1)
+    out = (weights @ v).transpose(-2, -3)
+    return out * torch.sigmoid(gate)
+
+
+def evoformer_inputs(B=1, N_seq=3, S=24, H=2, D=16, device="cpu", dtype=torch.float32, generator=None):
+    rand = _rand(generator, device, dtype)
+    msa_mask = (torch.rand(B, N_seq, 1, 1, S, generator=generator) > 0.1).to(device=device, dtype=dtype)
+    return dict(
+        q=rand(B, N_seq, S, H, D), k=rand(B, N_seq, S, H, D), v=rand(B, N_seq, S, H, D),
+        mask_bias=1e9 * (msa_mask - 1), pair_bias=rand(B, 1, H, S, S), gate=rand(B, N_seq, S, H, D),
+    )
+
+
+def evoformer_flops(B, N_seq, S, H, D, **_):
+    return 4.0 * B * N_seq * H * S * S * D
+
+
+# ---------------------------------------------------------------- attention sinks (gpt-oss)
+def attention_sinks(q, k, v, sinks):
+    """gpt-oss: a learned per-head logit joins each row's softmax as an extra column, which is then dropped."""
+    b, h, m, d = q.shape
+    scores = (q @ k.transpose(-1, -2) * d**-0.5).masked_fill(_causal(m, k.shape[-2], q.device), float("-inf"))
+    sink = sinks.reshape(1, h, 1, 1).expand(b, h, m, 1)
+    weights = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)
+    return weights[..., :-1] @ v
+
+
+def attention_sinks_max_subtracted(q, k, v, sinks):
+    """The Hugging Face form: the concatenated logits are shifted by their row max before the softmax."""
+    b, h, m, d = q.shape
+    scores = (q @ k.transpose(-1, -2) * d**-0.5).masked_fill(_causal(m, k.shape[-2], q.device), float("-inf"))
+    combined = torch.cat([scores, sinks.reshape(1, h, 1, 1).expand(b, h, m, 1)], dim=-1)
+    combined = combined - combined.max(dim=-1, keepdim=True).values
+    return torch.softmax(combined, dim=-1)[..., :-1] @ v
+
+
+def sinks_inputs(B=2, H=4, S=40, D=16, device="cpu", dtype=torch.float32, generator=None):
+    rand = _rand(generator, device, dtype)
+    return dict(q=rand(B, H, S, D), k=rand(B, H, S, D), v=rand(B, H, S, D), sinks=rand(H))
+
+
+def causal_flops(B, H, S, D, Dv=None, **_):
+    return 2.0 * B * H * S * S * (D + (Dv or D)) * 0.5
+
+
+# ---------------------------------------------------------------- sigmoid attention
+def sigmoid_attention(q, k, v):
+    """Sigmoid attention (Ramapuram et al. 2024): sigmoid(q·kᵀ/√d − log n) replaces the softmax; no reduction
+    over N but the product with V."""
+    n, d = k.shape[-2], q.shape[-1]
+    return torch.sigmoid(q @ k.transpose(-1, -2) * d**-0.5 - math.log(n)) @ v
+
+
+def qkv_inputs(B=2, H=4, S=40, D=16, Dv=None, device="cpu", dtype=torch.float32, generator=None):
+    rand = _rand(generator, device, dtype)
+    return dict(q=rand(B, H, S, D), k=rand(B, H, S, D), v=rand(B, H, S, Dv or D))
+
+
+def full_flops(B, H, S, D, Dv=None, **_):
+    return 2.0 * B * H * S * S * (D + (Dv or D))
+
+
+# ---------------------------------------------------------------- MLA-shaped attention (QK dim 192, V dim 128)
+def mla_causal(q, k, v):
+    """DeepSeek MLA after decompression: queries/keys carry 128 + 64 (rotary) dims, values 128."""
+    m, n = q.shape[-2], k.shape[-2]
+    scores = (q @ k.transpose(-1, -2)) * q.shape[-1] ** -0.5
+    return torch.softmax(scores.masked_fill(_causal(m, n, q.device), float("-inf")), dim=-1) @ v
+
+
+# ---------------------------------------------------------------- chained matmuls, not attention-shaped
+def chained_matmul(a, b, c):
+    """(A·B)·C: the M×N product never needs to exist."""
+    return (a @ b) @ c
+
+
+def softmax_chained_matmul(a, b, c):
+    return torch.softmax(a @ b, dim=-1) @ c
+
+
+def chain_inputs(M=48, K=24, N=72, P=40, device="cpu", dtype=torch.float32, generator=None):
+    rand = _rand(generator, device, dtype)
+    return dict(a=rand(M, K) * K**-0.5, b=rand(K, N), c=rand(N, P))
+
+
+def chain_flops(M, K, N, P, **_):
+    return 2.0 * M * N * (K + P)
+
+
+def _rand(generator, device, dtype) -> Callable[..., Tensor]:
+    def rand(*size):
+        return torch.randn(*size, generator=generator).to(device=device, dtype=dtype)
+
+    return rand
+
+
+@dataclasses.dataclass(frozen=True)
+class Program:
+    name: str
+    fn: Callable[..., Tensor]
+    inputs: Callable[..., dict[str, Any]]  # (**size, device, dtype, generator) -> named inputs
+    flops: Callable[..., float]  # (**size) -> floating-point operations of the work
+    kernels: int  # Triton kernels we expect the program to compile into
+    dots: int  # tl.dot calls in the fused kernel
+    cpu_size: dict  # a small size for the CPU harness (ragged where it can be)
+    gpu_sizes: tuple = ()  # sizes the GPU benchmark runs
+
+
+PROGRAMS = {
+    p.name: p
+    for p in [
+        # The fused attention runs over all 2h query/key heads (each pair shares its V head, read in place); one
+        # pointwise kernel subtracts the two halves (2 kernels: the second is O(output), not O(S²)).
+        Program("diff_attention", diff_attention, diff_inputs, diff_flops, kernels=2, dots=2,
+                cpu_size=dict(B=2, H=4, S=37, D=16),
+                gpu_sizes=tuple(dict(B=max(1, 16384 // s), H=h, S=s, D=d)
+                                for h, d in ((32, 64), (16, 128)) for s in (512, 1024, 2048, 4096, 8192, 16384))),
+        Program("evoformer_row_attention", evoformer_row_attention, evoformer_inputs, evoformer_flops, kernels=1,
+                dots=2, cpu_size=dict(B=1, N_seq=3, S=21, H=2, D=16),
+                gpu_sizes=(dict(B=1, N_seq=256, S=256, H=4, D=64), dict(B=1, N_seq=256, S=256, H=4, D=128))),
+        Program("attention_sinks", attention_sinks, sinks_inputs, causal_flops, kernels=1, dots=2,
+                cpu_size=dict(B=2, H=4, S=37, D=16),
+                gpu_sizes=(dict(B=4, H=32, S=4096, D=64), dict(B=8, H=16, S=2048, D=128))),
+        Program("attention_sinks_max_subtracted", attention_sinks_max_subtracted, sinks_inputs, causal_flops,
+                kernels=1, dots=2, cpu_size=dict(B=2, H=4, S=37, D=16)),
+        Program("sigmoid_attention", sigmoid_attention, qkv_inputs, full_flops, kernels=1, dots=2,
+                cpu_size=dict(B=2, H=4, S=37, D=16),
+                gpu_sizes=(dict(B=4, H=32, S=4096, D=64), dict(B=8, H=16, S=2048, D=128))),
+        Program("mla_causal", mla_causal, qkv_inputs, causal_flops, kernels=1, dots=2,
+                cpu_size=dict(B=2, H=2, S=37, D=48, Dv=32),
+                gpu_sizes=(dict(B=4, H=16, S=4096, D=192, Dv=128),)),
+        Program("chained_matmul", chained_matmul, chain_inputs, chain_flops, kernels=1, dots=2,
+                cpu_size=dict(M=48, K=24, N=72, P=40),
+                gpu_sizes=(dict(M=16384, K=64, N=16384, P=96), dict(M=8192, K=32, N=65536, P=48))),
+        Program("softmax_chained_matmul", softmax_chained_matmul, chain_inputs, chain_flops, kernels=1, dots=2,
+                cpu_size=dict(M=48, K=24, N=72, P=40),
+                gpu_sizes=(dict(M=16384, K=64, N=16384, P=96), dict(M=8192, K=32, N=65536, P=48))),
+    ]
+}
