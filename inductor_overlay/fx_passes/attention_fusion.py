@@ -401,11 +401,14 @@ def find_attention(pv: torch.fx.Node, dead: frozenset = frozenset()) -> Union[De
             softmax_nodes += cat_nodes
     if _val(logits) is None or _val(logits).dim() < 2:
         return Decline("the logits have no static metadata")
-    qk_candidates = [n for n in logits.graph.nodes if _is(n, _MATMULS) and n is not pv]
-    qk = next((n for n in reversed(qk_candidates) if _depends_on(logits, n, {})), None)
-    if qk is None:
-        return Decline("the softmax input does not come from a matmul")
-    collected = _collect_chain(logits, qk)
+    # The scores are the matmul the logits reach through elementwise ops; other matmuls they depend on (a
+    # projected pair bias, say) are tensors the chain reads. Try the latest first.
+    qk_candidates = [n for n in logits.graph.nodes if _is(n, _MATMULS) and n is not pv and _depends_on(logits, n, {})]
+    collected: Union[Decline, tuple] = Decline("the softmax input does not come from a matmul")
+    for qk in reversed(qk_candidates):
+        collected = _collect_chain(logits, qk)
+        if not isinstance(collected, Decline):
+            break
     if isinstance(collected, Decline):
         return collected
     score_root, chain, captured = collected

@@ -1,0 +1,160 @@
+"""Programs FlexAttention cannot express (issue 6) fuse from their structure alone (CPU harness).
+
+Each program of ``benchmarks/programs.py`` is compiled from plain PyTorch and checked against float64 eager on fresh
+random inputs, with the fused structure pinned: the expected number of kernels, one N loop with two dots in the
+fused one, the program's own normalisation (online softmax, a sink-initialised softmax, or none), and no buffer as
+large as the score matrix.
+"""
+
+import math
+
+import pytest
+import torch
+from torch.testing import FileCheck
+
+from benchmarks import programs
+from flashlight import testing
+from inductor_overlay import config
+
+counters = torch._dynamo.utils.counters
+
+
+def float64(inputs):
+    return {name: t.double() if t.is_floating_point() else t for name, t in inputs.items()}
+
+
+def compile_on_cpu(fn, inputs, **overlay_config):
+    with testing.cpu_triton(), config.patch(sdpa_pattern_policy="flashlight", **overlay_config):
+        return testing.compile_and_get_code(fn, **inputs)
+
+
+def fused_kernel(code):
+    kernels = [k for k in testing.triton_kernels(code).values() if "for start_n in range(" in k]
+    assert len(kernels) == 1, f"expected one fused kernel, found {len(kernels)}"
+    return kernels[0]
+
+
+def score_numel(program, size):
+    if "M" in size:
+        return size["M"] * size["N"]
+    batch = size["B"] * size["H"] * size.get("N_seq", 1)
+    return batch * size["S"] * size["S"]
+
+
+@pytest.mark.parametrize("name", list(programs.PROGRAMS))
+def test_program_fuses_and_matches_eager(name):
+    program = programs.PROGRAMS[name]
+    inputs = program.inputs(**program.cpu_size)
+    out, code = compile_on_cpu(program.fn, inputs)
+    testing.assert_close_to_reference(out, program.fn(**float64(inputs)))
+
+    testing.check_kernels(code, kernels=program.kernels, extern_calls=0)
+    kernel = fused_kernel(code)
+    FileCheck().check_count("tl.dot(", program.dots, exactly=True).run(kernel)
+    FileCheck().check_count("for start_n in range(", 1, exactly=True).run(kernel)
+    scores = score_numel(program, program.cpu_size)
+    assert all(n < scores for n in testing.allocated_buffer_numels(code)), "a buffer as large as the scores exists"
+    assert counters["inductor"]["flashlight_attention_fused"] == 1
+    assert counters["inductor"]["flashlight_fault_fallback"] == 0
+
+
+def test_diff_attention_reads_v_in_place_and_combines_the_output():
+    """One attention over all 2h heads (V's head i read by heads 2i and 2i+1 through its own strides), then one
+    pointwise kernel for A0·V − λ·A1·V over the [.., M, 2d] outputs."""
+    program = programs.PROGRAMS["diff_attention"]
+    size = program.cpu_size
+    inputs = program.inputs(**size)
+    out, code = compile_on_cpu(program.fn, inputs)
+    testing.assert_close_to_reference(out, program.fn(**float64(inputs)))
+    kernel = fused_kernel(code)
+    FileCheck().check("alpha = tl.exp2(").check("acc = tl.dot(p, v, acc * alpha").check("acc = acc / l_i").run(kernel)
+    outputs_2h = size["B"] * size["H"] * size["S"] * 2 * size["D"]
+    assert sorted(testing.allocated_buffer_numels(code)) == [out.numel(), outputs_2h]
+
+
+def diff_attention_per_column_lambda(q, k, v, lam):
+    b, two_h, m, d = q.shape
+    weights = torch.softmax(q @ k.transpose(-1, -2) * d**-0.5, dim=-1).view(b, two_h // 2, 2, m, k.shape[-2])
+    return (weights[:, :, 0] - lam * weights[:, :, 1]) @ v
+
+
+def test_diff_attention_with_a_coefficient_varying_along_n_is_not_distributed():
+    """(A0 − λ_n·A1)·V ≠ A0·V − λ·(A1·V) when λ varies along the contracted dim: upstream's path, same result."""
+    inputs = programs.diff_inputs(B=1, H=4, S=19, D=8)
+    inputs["lam"] = torch.rand(19)
+    out, code = compile_on_cpu(diff_attention_per_column_lambda, inputs)
+    testing.assert_close_to_reference(out, diff_attention_per_column_lambda(**float64(inputs)))
+    assert counters["inductor"]["flashlight_attention_fused"] == 0
+    assert not any("for start_n in range(" in k for k in testing.triton_kernels(code).values())
+
+
+@pytest.mark.parametrize("fn", [programs.attention_sinks, programs.attention_sinks_max_subtracted])
+def test_sink_starts_the_running_state_and_can_dominate(fn):
+    """The sink is an extra softmax column that meets no V: a large sink drives every row towards 0."""
+    inputs = programs.sinks_inputs(B=1, H=3, S=33, D=16)
+    inputs["sinks"] = torch.tensor([8.0, 0.0, -8.0])
+    out, code = compile_on_cpu(fn, inputs)
+    expected = fn(**float64(inputs))
+    testing.assert_close_to_reference(out, expected)
+    assert expected[0, 0].abs().max() < 0.1 * expected[0, 2].abs().max()
+    FileCheck().check("m_i = tl.load(sink_base").check("l_i = tl.where(").check("for start_n in range(").run(
+        fused_kernel(code)
+    )
+
+
+def test_sigmoid_attention_has_no_softmax_state():
+    program = programs.PROGRAMS["sigmoid_attention"]
+    inputs = program.inputs(**program.cpu_size)
+    _, code = compile_on_cpu(program.fn, inputs)
+    kernel = fused_kernel(code)
+    FileCheck().check("tl.sigmoid(").check("acc = tl.dot(p, v, acc,").run(kernel)
+    for state in ("m_i = ", "l_i = ", "alpha = ", "tl.exp2("):
+        FileCheck().check_not(state).run(kernel)
+
+
+def chained_matmul_wide(a, b, c):
+    return (a @ b) @ c
+
+
+@pytest.mark.parametrize("k,p,fuses", [(24, 40, True), (256, 40, False), (24, 200, False)])
+def test_chained_matmul_declines_large_inner_dims(k, p, fuses):
+    """Without a softmax there is nothing to gain but the M×N round trip: inner dims above
+    ``linear_fusion_max_inner_dim`` stay two GEMMs."""
+    inputs = programs.chain_inputs(M=40, K=k, N=56, P=p)
+    out, code = compile_on_cpu(chained_matmul_wide, inputs)
+    testing.assert_close_to_reference(out, chained_matmul_wide(**float64(inputs)))
+    assert counters["inductor"]["flashlight_attention_fused"] == int(fuses)
+    assert any("for start_n in range(" in k for k in testing.triton_kernels(code).values()) == fuses
+
+
+def test_mla_head_dims_differ():
+    program = programs.PROGRAMS["mla_causal"]
+    inputs = program.inputs(**program.cpu_size)
+    _, code = compile_on_cpu(program.fn, inputs)
+    FileCheck().check("D : tl.constexpr = 48").check("DV : tl.constexpr = 32").run(fused_kernel(code))
+
+
+def test_evoformer_gate_is_fused_into_the_kernel_epilogue():
+    """The sigmoid gate multiplies the output tile in registers before the store: one kernel, one output buffer."""
+    program = programs.PROGRAMS["evoformer_row_attention"]
+    inputs = program.inputs(**program.cpu_size)
+    out, code = compile_on_cpu(program.fn, inputs)
+    FileCheck().check("acc = acc / l_i").check("tl.sigmoid(").check("tl.store(").run(fused_kernel(code))
+    assert testing.allocated_buffer_numels(code) == [out.numel()]
+    assert math.prod(inputs["gate"].shape) == out.numel()
+
+
+def test_evoformer_block_fuses_row_and_column_attention():
+    """Row attention's pair bias is itself a matmul (a projection of the pair representation): the pass must
+    pick q·kᵀ as the scores and read the projected bias as a tensor."""
+    from benchmarks.evoformer_block import EvoformerBlock, block_inputs
+
+    block = EvoformerBlock(c_m=32, c_z=16, heads=2, head_dim=16).eval()
+    inputs = block_inputs(B=1, N_seq=5, S=19, c_m=32, c_z=16)
+    with torch.no_grad():
+        (msa, pair), code = compile_on_cpu(block, inputs)
+        expected = block.double()(**float64(inputs))
+    testing.assert_close_to_reference(msa, expected[0])
+    testing.assert_close_to_reference(pair, expected[1])
+    assert counters["inductor"]["flashlight_attention_fused"] == 2
+    assert sum("for start_n in range(" in k for k in testing.triton_kernels(code).values()) == 2
