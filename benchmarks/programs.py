@@ -182,7 +182,8 @@ PROGRAMS = {
                 gpu_sizes=(dict(B=4, H=16, S=4096, D=192, Dv=128),)),
         Program("chained_matmul", chained_matmul, chain_inputs, chain_flops, kernels=1, dots=2,
                 cpu_size=dict(M=48, K=24, N=72, P=40),
-                gpu_sizes=(dict(M=16384, K=64, N=16384, P=96), dict(M=8192, K=32, N=65536, P=48))),
+                # The second has an inner dim above linear_fusion_max_inner_dim: it stays two GEMMs.
+                gpu_sizes=(dict(M=16384, K=64, N=16384, P=96), dict(M=16384, K=512, N=16384, P=96))),
         Program("softmax_chained_matmul", softmax_chained_matmul, chain_inputs, chain_flops, kernels=1, dots=2,
                 cpu_size=dict(M=48, K=24, N=72, P=40),
                 gpu_sizes=(dict(M=16384, K=64, N=16384, P=96), dict(M=8192, K=32, N=65536, P=48))),

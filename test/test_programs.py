@@ -158,3 +158,16 @@ def test_evoformer_block_fuses_row_and_column_attention():
     testing.assert_close_to_reference(pair, expected[1])
     assert counters["inductor"]["flashlight_attention_fused"] == 2
     assert sum("for start_n in range(" in k for k in testing.triton_kernels(code).values()) == 2
+
+
+@pytest.mark.parametrize("name", ["attention_sinks", "attention_sinks_max_subtracted", "diff_attention",
+                                  "sigmoid_attention", "chained_matmul"])
+def test_program_fuses_in_bfloat16(name):
+    """16-bit inputs put upcasts into the graph (a bf16 softmax computes in float32): the programs still fuse."""
+    program = programs.PROGRAMS[name]
+    inputs = program.inputs(**program.cpu_size, dtype=torch.bfloat16)
+    out, code = compile_on_cpu(program.fn, inputs)
+    expected = program.fn(**float64(inputs))
+    assert (out.double() - expected).norm() / expected.norm() < 1e-2  # bf16 rounding of O(N) sums: norm-wise
+    assert counters["inductor"]["flashlight_attention_fused"] == 1
+    fused_kernel(code)

@@ -25,7 +25,7 @@ def main() -> None:
         size = program.gpu_sizes[index]
         inputs = program.inputs(**size, device="cuda", dtype=torch.bfloat16)
         for m, n, warps, stages in CANDIDATES:
-            kernel.kernel_configs = lambda d, device, c=(m, n, warps, stages): [
+            kernel.kernel_configs = lambda d, dv, device, c=(m, n, warps, stages): [
                 dict(BLOCK_M=c[0], BLOCK_N=c[1], num_warps=c[2], num_stages=c[3])
             ]
             torch._dynamo.reset()

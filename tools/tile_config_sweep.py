@@ -32,7 +32,7 @@ def main() -> None:
             variant = VARIANTS[name]
             q, k, v, extras = make_inputs(variant, shape, device="cuda", dtype=torch.bfloat16)
             for m, n, warps, stages in CANDIDATES[shape.D]:
-                kernel.kernel_configs = lambda d, device, c=(m, n, warps, stages): [
+                kernel.kernel_configs = lambda d, dv, device, c=(m, n, warps, stages): [
                     dict(BLOCK_M=c[0], BLOCK_N=c[1], num_warps=c[2], num_stages=c[3])
                 ]
                 torch._dynamo.reset()

@@ -352,7 +352,12 @@ def _strip_row_shift(logits: torch.fx.Node) -> tuple[torch.fx.Node, list[torch.f
 
 
 def _split_sink(logits: torch.fx.Node) -> Union[Decline, tuple[torch.fx.Node, torch.fx.Node, list[torch.fx.Node]]]:
-    """``cat([x, sink], -1)`` with one sink logit per row: the softmax's extra column (see ``AttentionRegion.sink``)."""
+    """``cat([x, sink], -1)`` with one sink logit per row: the softmax's extra column (see ``AttentionRegion.sink``).
+    An upcast of the concatenation (a 16-bit softmax computes in float32) is left to the kernel, which computes
+    the softmax in float32 anyway."""
+    upcast = []
+    if _is(logits, prims.convert_element_type.default) and _val(logits).dtype == torch.float32:
+        upcast, logits = [logits], logits.args[0]
     if not (_is(logits, aten.cat.default) and len(logits.args[0]) == 2):
         return Decline("a column is dropped after the softmax, but its logits are not cat([scores, sink], -1)")
     x, sink = logits.args[0]
@@ -360,7 +365,7 @@ def _split_sink(logits: torch.fx.Node) -> Union[Decline, tuple[torch.fx.Node, to
     rank = _val(logits).dim()
     if dim % rank != rank - 1 or _val(sink) is None or _val(sink).shape[-1] != 1:
         return Decline("the dropped softmax column is not one logit per row")
-    return x, sink, [logits]
+    return x, sink, [*upcast, logits]
 
 
 def _match_linear(p: torch.fx.Node, head_dims: tuple[int, int], rows: int) -> Optional[Decline]:
@@ -381,7 +386,9 @@ def find_attention(pv: torch.fx.Node, dead: frozenset = frozenset()) -> Union[De
     p_operand, v = _matmul_operands(pv)
     p, passthrough = _strip_order_preserving(p_operand, also=(prims.convert_element_type.default,))
     p, dropped_column = _strip_dropped_last_column(p)
-    passthrough += dropped_column
+    if dropped_column:
+        p, downcast = _strip_order_preserving(p, also=(prims.convert_element_type.default,))
+        passthrough += dropped_column + downcast
     matched = _match_normalised_exp(p)
     sink = None
     if isinstance(matched, Decline):
@@ -390,8 +397,10 @@ def find_attention(pv: torch.fx.Node, dead: frozenset = frozenset()) -> Union[De
         logits, softmax_nodes, logit_scale, softmax = p, [], 1.0, False
     else:
         logits, softmax_nodes, logit_scale = matched
-        logits, shift_nodes = _strip_row_shift(logits)
-        softmax_nodes += shift_nodes
+        upcast = [logits] if _is(logits, prims.convert_element_type.default) else []
+        unshifted, shift_nodes = _strip_row_shift(upcast[0].args[0] if upcast else logits)
+        if shift_nodes:  # the kernel's softmax runs in float32 whatever the logits' dtype
+            logits, softmax_nodes = unshifted, softmax_nodes + upcast + shift_nodes
         softmax = True
         if dropped_column:
             split = _split_sink(logits)

@@ -229,17 +229,20 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-def kernel_configs(head_dim: int, device: torch.device) -> list[dict[str, int]]:
-    """Tile sizes to autotune over (BLOCK_M, BLOCK_N, warps, stages), pruned by head dim."""
+def kernel_configs(d: int, dv: int, device: torch.device) -> list[dict[str, int]]:
+    """Tile sizes to autotune over (BLOCK_M, BLOCK_N, warps, stages), pruned by the head dims (QK, V)."""
     if device.type != "cuda" or _interpreting():
         return [dict(BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=1)]
-    # From benchmarks/results/h100_2026-11-22_tile_sweep (causal and soft-cap, bf16): the winners and runners-up.
-    if head_dim <= 64:
+    # From H100 sweeps (bf16): benchmarks/results/h100_2026-11-22_tile_sweep (causal and soft-cap) and
+    # h100_2026-11-22_programs/sweep.txt (DiffAttn's D/Dv = 64/128 and 128/256, Evoformer): winners and runners-up.
+    if max(d, dv) <= 64:
         shapes = [(64, 64, 4, 3), (128, 64, 8, 3), (128, 128, 4, 3)]
-    elif head_dim <= 128:
+    elif d <= 64 and dv <= 128:
+        shapes = [(64, 64, 4, 3), (128, 64, 4, 3), (128, 128, 8, 3)]
+    elif max(d, dv) <= 128:
         shapes = [(64, 64, 4, 3), (128, 128, 8, 3), (128, 32, 4, 3)]
     else:
-        shapes = [(64, 32, 4, 2), (64, 64, 8, 2), (32, 32, 4, 2)]
+        shapes = [(128, 64, 8, 3), (64, 64, 4, 2), (64, 32, 4, 2)]
     return [dict(BLOCK_M=m, BLOCK_N=n, num_warps=w, num_stages=s) for m, n, w, s in shapes]
 
 
@@ -316,7 +319,7 @@ def online_softmax_attention_lowering(q, kt, v, captured, sink, chain_id):
     layout = ir.FixedLayout(device, v.get_dtype(), [z, m, dv], ir.FlexibleLayout.contiguous_strides([z, m, dv]))
     fp32_dot = v.get_dtype() == torch.float32
     choices: list[Any] = []
-    for config in kernel_configs(max(d, dv), device):
+    for config in kernel_configs(d, dv, device):
         template = online_softmax_attention_template(
             tuple(len(t.get_size()) - 2 for t in operands), chain.masked_tile_code, chain.softmax
         )
