@@ -3,71 +3,103 @@
     python -m benchmarks.demo
 
 For each variant: did it become one fused kernel, does it match float64 eager, and (on a GPU) how fast is it
-against eager and default torch.compile. Without a GPU it runs the generated Triton kernels through Triton's
+against eager and default torch.compile. Then the same for the programs of ``benchmarks/programs.py``, which
+FlexAttention cannot express. Without a GPU it runs the generated Triton kernels through Triton's
 interpreter at small sizes, so it shows fusion and correctness but no timings.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import torch
 
 import flashlight
+from benchmarks.programs import PROGRAMS
 from benchmarks.variants import VARIANTS, Shape, make_inputs
 from flashlight import testing
 from inductor_overlay import config
 
 
-def _reference(fn, q, k, v, extras):
-    return fn(q.double(), k.double(), v.double(), **{n: t.double() if t.is_floating_point() else t for n, t in extras.items()})
+def _reference(fn, dtype: torch.dtype, *args, **kwargs):
+    """``fn`` on ``dtype`` copies of the floating-point inputs; bool and integer inputs stay as they are."""
+    def up(t):
+        return t.to(dtype) if t.is_floating_point() else t
+
+    return fn(*map(up, args), **{name: up(t) for name, t in kwargs.items()})
 
 
 def _relative_error(out, ref) -> float:
     return float((out.double() - ref).norm() / ref.norm())
 
 
+def _compile(fn, gpu: bool, *args, **kwargs) -> tuple[torch.Tensor, int, int]:
+    """Compile ``fn`` afresh with the overlay; return (output, attentions fused, Triton kernel count)."""
+    counters = torch._dynamo.utils.counters
+    counters.clear()
+    harness = contextlib.nullcontext() if gpu else testing.cpu_triton()
+    with harness, config.patch(sdpa_pattern_policy="flashlight"):
+        out, code = testing.compile_and_get_code(fn, *args, **kwargs)
+    return out, counters["inductor"]["flashlight_attention_fused"], len(testing.triton_kernels(code))
+
+
+_TIMING_HEADER = f" {'eager ms':>9} {'compile ms':>10} {'flashlight ms':>13} {'speedup vs compile':>18}"
+
+
+def _timings(fn, *args, **kwargs) -> str:
+    """The GPU columns: eager, default torch.compile (overlay off) and Flashlight, median ms of each."""
+    from triton.testing import do_bench
+
+    def median_ms(f):
+        return do_bench(lambda: f(*args, **kwargs), return_mode="median")
+
+    # Each compiled function is timed before the next torch._dynamo.reset(), which would recompile it.
+    times = [median_ms(fn)]
+    torch._dynamo.reset()
+    with flashlight.enabled(False):
+        upstream = torch.compile(fn)
+        upstream(*args, **kwargs)
+        times.append(median_ms(upstream))
+    torch._dynamo.reset()
+    with config.patch(sdpa_pattern_policy="flashlight"):
+        ours = torch.compile(fn)
+        ours(*args, **kwargs)
+        times.append(median_ms(ours))
+    return f" {times[0]:>9.3f} {times[1]:>10.3f} {times[2]:>13.3f} {times[1] / times[2]:>17.1f}×"
+
+
 def run(shape: Shape, dtype: torch.dtype, gpu: bool) -> list[tuple[str, bool, int, float]]:
     """Print one line per variant; return (variant, fused, kernel count, relative error) for each."""
-    import contextlib
-
-    counters = torch._dynamo.utils.counters
     results = []
-    header = f"{'variant':20} {'fused':>6} {'kernels':>7} {'rel err':>9}"
-    if gpu:
-        header += f" {'eager ms':>9} {'compile ms':>10} {'flashlight ms':>13} {'speedup vs compile':>18}"
-    print(header)
+    print(f"{'variant':20} {'fused':>6} {'kernels':>7} {'rel err':>9}" + (_TIMING_HEADER if gpu else ""))
     for variant in VARIANTS.values():
         fn = variant.reference
         q, k, v, extras = make_inputs(variant, shape, device="cuda" if gpu else "cpu", dtype=dtype)
-        harness = contextlib.nullcontext() if gpu else testing.cpu_triton()
-        counters.clear()
-        with harness, config.patch(sdpa_pattern_policy="flashlight"):
-            out, code = testing.compile_and_get_code(fn, q, k, v, **extras)
-        fused = counters["inductor"]["flashlight_attention_fused"] == 1
-        kernels, error = len(testing.triton_kernels(code)), _relative_error(out, _reference(fn, q, k, v, extras))
+        out, fused_count, kernels = _compile(fn, gpu, q, k, v, **extras)
+        fused, error = fused_count == 1, _relative_error(out, _reference(fn, torch.float64, q, k, v, **extras))
         results.append((variant.name, fused, kernels, error))
         line = f"{variant.name:20} {'yes' if fused else 'NO':>6} {kernels:>7} {error:>9.1e}"
-        if gpu:
-            from triton.testing import do_bench
+        print(line + (_timings(fn, q, k, v, **extras) if gpu else ""), flush=True)
+    return results
 
-            def median_ms(f):
-                return do_bench(lambda: f(q, k, v, **extras), return_mode="median")
 
-            # Each compiled function is timed before the next torch._dynamo.reset(), which would recompile it.
-            times = [median_ms(fn)]
-            torch._dynamo.reset()
-            with flashlight.enabled(False):
-                upstream = torch.compile(fn)
-                upstream(q, k, v, **extras)
-                times.append(median_ms(upstream))
-            torch._dynamo.reset()
-            with config.patch(sdpa_pattern_policy="flashlight"):
-                ours = torch.compile(fn)
-                ours(q, k, v, **extras)
-                times.append(median_ms(ours))
-            line += f" {times[0]:>9.3f} {times[1]:>10.3f} {times[2]:>13.3f} {times[1] / times[2]:>17.1f}×"
-        print(line, flush=True)
+def run_programs(gpu: bool) -> list[tuple[str, bool, int, float]]:
+    """Print one line per program of ``benchmarks/programs.py``; return (program, fused, kernel count, relative
+    error) for each. On the GPU each runs at its first benchmark size in bf16, checked against float32 (float64
+    would be slow at those sizes); programs without a GPU size are left out there, as the GPU benchmark does."""
+    results = []
+    header = f"{'program':30} {'fused':>6} {'kernels':>7} {'expected':>8} {'rel err':>9}"
+    print(header + (_TIMING_HEADER if gpu else ""))
+    dtype, reference_dtype = (torch.bfloat16, torch.float32) if gpu else (torch.float32, torch.float64)
+    for program in [p for p in PROGRAMS.values() if p.gpu_sizes or not gpu]:
+        size = program.gpu_sizes[0] if gpu else program.cpu_size
+        inputs = program.inputs(**size, device="cuda" if gpu else "cpu", dtype=dtype)
+        out, fused_count, kernels = _compile(program.fn, gpu, **inputs)
+        fused, error = fused_count >= 1, _relative_error(out, _reference(program.fn, reference_dtype, **inputs))
+        results.append((program.name, fused, kernels, error))
+        line = f"{program.name:30} {'yes' if fused else 'NO':>6} {kernels:>7} {program.kernels:>8} {error:>9.1e}"
+        print(line + (_timings(program.fn, **inputs) if gpu else ""), flush=True)
     return results
 
 
@@ -86,6 +118,8 @@ def main() -> None:
     print(f"Flashlight demo — torch {torch.__version__} — {where}")
     start = time.perf_counter()
     run(shape, dtype, gpu)
+    print("\nPrograms FlexAttention cannot express (issue 6):")
+    run_programs(gpu)
     print(f"done in {time.perf_counter() - start:.0f} s. 'fused' = one Triton kernel, no score matrix in memory.")
 
 

@@ -1,8 +1,10 @@
-"""The README's main job must keep working: every variant of the library fuses and matches eager on the CPU."""
+"""The README's main job must keep working: every variant and program of the library fuses and matches eager
+on the CPU."""
 
 import torch
 
 from benchmarks import demo
+from benchmarks.programs import PROGRAMS
 from benchmarks.variants import VARIANTS, Shape
 
 
@@ -11,5 +13,14 @@ def test_demo_fuses_every_variant_on_the_cpu(capsys):
     assert [name for name, *_ in results] == list(VARIANTS)
     for name, fused, kernels, error in results:
         assert fused and kernels == 1, name
+        assert error < 1e-5, (name, error)
+    assert "NO" not in capsys.readouterr().out
+
+
+def test_demo_fuses_every_program_on_the_cpu(capsys):
+    results = demo.run_programs(gpu=False)
+    assert [name for name, *_ in results] == list(PROGRAMS)
+    for name, fused, kernels, error in results:
+        assert fused and kernels == PROGRAMS[name].kernels, (name, kernels)
         assert error < 1e-5, (name, error)
     assert "NO" not in capsys.readouterr().out

@@ -19,6 +19,12 @@ inputs do not depend on the scores; that chain is moved into the kernel unchange
 it (``iota``/``arange``, ``full``, views of them) moves in with it, so masks built from positions cost no memory;
 any other tensor it reads (bias, mask, ids, tables) is passed to the kernel and read at the tile's positions.
 Head dims up to ``MAX_HEAD_DIM`` are one tile (dimension elimination); larger ones decline.
+
+Two more forms fuse into the same loop. Attention sinks: ``softmax(cat([x, s], -1))[..., :-1]`` with one logit
+``s`` per row is a softmax over one more column that meets no V, so the running state starts at ``m = s``,
+``l = 1`` (a shift ``x - max_N x`` written before a softmax is dropped: a softmax is invariant to it). No softmax
+at all (sigmoid attention, ``(A·B)·C``): the chain's output meets V directly, with no running state; this only
+saves the M×N round trip, so it is subject to a profitability rule (``_match_linear``).
 """
 
 from __future__ import annotations
