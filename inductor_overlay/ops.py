@@ -2,7 +2,8 @@
 
 ``out[z] = softmax_N(chain(q[z] @ kt[z])) @ v[z]`` where ``chain`` is the user's own pointwise program between
 the two matmuls. With a ``sink`` (one logit per row) the softmax runs over one more column, which meets no V. A
-chain registered with ``softmax=False`` meets V directly: ``out[z] = chain(q[z] @ kt[z]) @ v[z]``. ``chain`` is kept (a GraphModule kept in :data:`SCORE_CHAINS`, keyed by the op's ``chain_id``). Each operand keeps the
+chain registered with ``softmax=False`` meets V directly: ``out[z] = chain(q[z] @ kt[z]) @ v[z]``. With
+``group_coefficients`` (G values) the output combines consecutive groups of G heads: ``Σ_g c[g]·out[z·G + g]``. ``chain`` is kept (a GraphModule kept in :data:`SCORE_CHAINS`, keyed by the op's ``chain_id``). Each operand keeps the
 batch dims it had before the matmul flattened them (q ``[*bq, M, D]``, kt ``[*bk, D, N]``, v ``[*bv, N, Dv]``, each
 batch flattening row-major to the same Z entries); the output is ``[Z, M, Dv]``, as the matmul's was. The chain
 sees scores shaped ``[*batch, M, N]`` with ``prod(batch) == Z``, exactly as in the user's graph.
@@ -43,12 +44,13 @@ def register_score_chain(chain: ScoreChain) -> int:
 
 _library = torch.library.Library("flashlight", "DEF")
 _library.define(
-    "online_softmax_attention(Tensor q, Tensor kt, Tensor v, Tensor[] captured, Tensor? sink, int chain_id) -> Tensor"
+    "online_softmax_attention(Tensor q, Tensor kt, Tensor v, Tensor[] captured, Tensor? sink, int chain_id, "
+    "Tensor? group_coefficients=None) -> Tensor"
 )
 
 
 @torch.library.impl(_library, "online_softmax_attention", "CompositeExplicitAutograd")
-def online_softmax_attention_eager(q, kt, v, captured, sink, chain_id):
+def online_softmax_attention_eager(q, kt, v, captured, sink, chain_id, group_coefficients=None):
     """The unfused meaning of the op, written as the user's graph computes it."""
     chain = SCORE_CHAINS[chain_id]
     z, (m, d), (n, dv) = math.prod(chain.batch_shape), q.shape[-2:], v.shape[-2:]
@@ -61,10 +63,17 @@ def online_softmax_attention_eager(q, kt, v, captured, sink, chain_id):
     else:
         sink_logits = sink.expand(*chain.batch_shape, m, 1).to(logits.dtype) * chain.sink_scale
         probabilities = torch.softmax(torch.cat([logits, sink_logits], -1), dim=-1)[..., :n].to(chain.probability_dtype)
-    return torch.bmm(probabilities.reshape(z, m, n), v.reshape(z, n, dv))
+    out = torch.bmm(probabilities.reshape(z, m, n), v.reshape(z, n, dv))
+    if group_coefficients is None:
+        return out
+    groups = group_coefficients.numel()
+    weighted = out.view(z // groups, groups, m, dv).float() * group_coefficients.float().view(1, groups, 1, 1)
+    return weighted.sum(1).to(out.dtype)
 
 
 @torch.library.register_fake("flashlight::online_softmax_attention")
-def online_softmax_attention_fake(q, kt, v, captured, sink, chain_id):
+def online_softmax_attention_fake(q, kt, v, captured, sink, chain_id, group_coefficients=None):
     z = math.prod(SCORE_CHAINS[chain_id].batch_shape)
+    if group_coefficients is not None:
+        z = z // group_coefficients.numel()
     return q.new_empty(z, q.shape[-2], v.shape[-1], dtype=v.dtype)

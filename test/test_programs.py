@@ -58,18 +58,36 @@ def test_program_fuses_and_matches_eager(name):
     assert counters["inductor"]["flashlight_fault_fallback"] == 0
 
 
-def test_diff_attention_reads_v_in_place_and_combines_the_output():
-    """One attention over all 2h heads (V's head i read by heads 2i and 2i+1 through its own strides), then one
-    pointwise kernel for A0·V − λ·A1·V over the [.., M, 2d] outputs."""
+def test_diff_attention_combines_the_head_pair_in_registers():
+    """One program runs both softmaxes of a head pair (V's head read in place by both) and adds A0·V − λ·A1·V into
+    one output tile: no per-head output buffer, only the output and the two head coefficients."""
     program = programs.PROGRAMS["diff_attention"]
-    size = program.cpu_size
-    inputs = program.inputs(**size)
+    inputs = program.inputs(**program.cpu_size)
     out, code = compile_on_cpu(program.fn, inputs)
     testing.assert_close_to_reference(out, program.fn(**float64(inputs)))
-    kernel = fused_kernel(code)
-    FileCheck().check("alpha = tl.exp2(").check("acc = tl.dot(p, v, acc * alpha").check("acc = acc / l_i").run(kernel)
-    outputs_2h = size["B"] * size["H"] * size["S"] * 2 * size["D"]
-    assert sorted(testing.allocated_buffer_numels(code)) == [out.numel(), outputs_2h]
+    FileCheck().check("for group in tl.static_range(GROUPS)").check("alpha = tl.exp2(").check(
+        "acc = tl.dot(p, v, acc * alpha"
+    ).check("acc = acc / l_i").check("combined += tl.load(COEF").check("acc = combined").run(fused_kernel(code))
+    allocated = sorted(testing.allocated_buffer_numels(code))
+    assert allocated[-1] == out.numel() and sum(allocated[:-1]) <= 4, allocated
+
+
+def diff_attention_per_head_lambda(q, k, v, lam):
+    b, two_h, m, d = q.shape
+    weights = torch.softmax(q @ k.transpose(-1, -2) * d**-0.5, dim=-1).view(b, two_h // 2, 2, m, k.shape[-2])
+    return (weights[:, :, 0] - lam.view(1, -1, 1, 1) * weights[:, :, 1]) @ v
+
+
+def test_diff_attention_with_a_per_head_lambda_combines_outside_the_kernel():
+    """λ per head is constant along N, so the matmul still distributes; the combination is a pointwise kernel over
+    the [.., M, 2d] outputs of all 2h heads (never over the M×N probabilities)."""
+    inputs = programs.diff_inputs(B=2, H=4, S=29, D=8)
+    inputs["lam"] = torch.rand(2)
+    out, code = compile_on_cpu(diff_attention_per_head_lambda, inputs)
+    testing.assert_close_to_reference(out, diff_attention_per_head_lambda(**float64(inputs)))
+    assert counters["inductor"]["flashlight_attention_fused"] == 1
+    testing.check_kernels(code, kernels=2, extern_calls=0)
+    assert sorted(testing.allocated_buffer_numels(code)) == [out.numel(), 2 * out.numel()]
 
 
 def diff_attention_per_column_lambda(q, k, v, lam):

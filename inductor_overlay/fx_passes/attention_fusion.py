@@ -500,7 +500,9 @@ def _score_chain_module(region: AttentionRegion) -> torch.fx.GraphModule:
     return torch.fx.GraphModule(torch.nn.Module(), graph)
 
 
-def fuse(region: AttentionRegion) -> torch.fx.Node:
+def fuse(region: AttentionRegion, group_coefficients: Optional[torch.fx.Node] = None) -> torch.fx.Node:
+    """Replace the region by one fused node (with ``group_coefficients``, the node also combines each group of
+    consecutive heads; see ``ops.py``) and return the node that now stands for ``region.pv``."""
     graph = region.pv.graph
     score_shape = _val(region.score_root).shape
     chain_id = register_score_chain(
@@ -523,20 +525,21 @@ def fuse(region: AttentionRegion) -> torch.fx.Node:
             sink = graph.call_function(aten.expand.default, (sink, [*score_shape[:-1], 1]))
             sink.meta["val"] = _val(region.sink).expand(*score_shape[:-1], 1)
         fused = graph.call_function(
-            torch.ops.flashlight.online_softmax_attention.default, (q, kt, v, list(region.captured), sink, chain_id)
+            torch.ops.flashlight.online_softmax_attention.default,
+            (q, kt, v, list(region.captured), sink, chain_id, group_coefficients),
         )
         fake_mode = torch._guards.detect_fake_mode([_val(q)])
         with fake_mode or contextlib.nullcontext():
             fused.meta["val"] = torch.ops.flashlight.online_softmax_attention.default(
                 _val(q), _val(kt), _val(v), [_val(c) for c in region.captured], _val(sink) if sink is not None else None,
-                chain_id,
+                chain_id, _val(group_coefficients) if group_coefficients is not None else None,
             )
         result = fused
         if _val(region.pv).dim() == 2:
             result = graph.call_function(aten.squeeze.dim, (fused, 0))
             result.meta["val"] = fused.meta["val"].squeeze(0)
     region.pv.replace_all_uses_with(result)
-    return fused
+    return result
 
 
 def fuse_attention(graph: torch.fx.Graph) -> None:

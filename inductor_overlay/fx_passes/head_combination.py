@@ -5,8 +5,11 @@ DIFF Transformer computes ``(A[:, :, 0] - λ·A[:, :, 1]) @ V`` where ``A`` is o
 dim the matmul contracts, so ``(Σ_j c_j·A_j) V = Σ_j c_j·(A_j V)``. The right side is one attention over all 2h
 heads — head ``2i+j`` reads V's head ``i`` in place through a stride-0 expand, as for GQA — followed by the same
 combination applied to its ``[.., M, Dv]`` output: a pointwise op over the output instead of over the M×N
-probabilities. The attention then fuses into one online-softmax kernel. The rewrite is kept only when it does
-(``find_attention`` accepts the new matmul); otherwise the graph is left as it was.
+probabilities. The attention then fuses into one online-softmax kernel. When the coefficients are scalars and the
+split dim is the innermost head dim, that kernel also does the combination: each program runs the heads of one
+group in turn and adds their normalised outputs, weighted, into one output tile (one kernel, and the per-head
+outputs never reach memory). The rewrite is kept only when the new matmul fuses (``find_attention`` accepts it);
+otherwise the graph is left as it was.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import logging
 from typing import Any, Optional
 
 import torch
+from torch._dynamo.utils import counters
 from torch.fx.node import map_arg
 
 from inductor_overlay import config
@@ -27,6 +31,7 @@ from inductor_overlay.fx_passes.attention_fusion import (
     _strip_order_preserving,
     _val,
     find_attention,
+    fuse,
 )
 
 log = logging.getLogger("flashlight.attention_fusion")
@@ -114,6 +119,21 @@ class _Builder:
             self.graph.erase_node(node)
 
 
+def _coefficient_vector(build: _Builder, found: _Combination, groups: int) -> torch.fx.Node:
+    """The combination's coefficient of each head, ``c_j = combination(e_j)`` (it is linear), as a [G] tensor."""
+    device = _val(found.heads).device
+    coefficients = []
+    for head in range(groups):
+        env = {
+            s: build.call(aten.full.default, [], float(s.args[2] % groups == head), dtype=torch.float32, device=device)
+            for s in found.selects
+        }
+        for op in found.ops:
+            env[op] = build.call(op.target, *map_arg(op.args, lambda a: env.get(a, a)), **op.kwargs)
+        coefficients.append(build.call(aten.reshape.default, env[found.ops[-1]], [1]))
+    return build.call(aten.cat.default, coefficients)
+
+
 def distribute_over_heads(pv: torch.fx.Node) -> Optional[Decline]:
     """Rewrite ``combination(W) @ V`` as ``combination(W @ expand(V))`` when the new matmul fuses."""
     if not _is(pv, aten.bmm.default):
@@ -129,6 +149,9 @@ def distribute_over_heads(pv: torch.fx.Node) -> Optional[Decline]:
         return Decline("the combination does not use every head of the split dim exactly once")
 
     build = _Builder(pv)
+    # Scalar coefficients on the innermost batch dim: the kernel combines each group of heads in registers.
+    in_kernel = dim == len(head_shape) - 3 and all(_val(c).dim() == 0 for c in found.coefficients)
+    coefficients = _coefficient_vector(build, found, head_shape[dim]) if in_kernel else None
     batch, (m, n), dv = head_shape[:-2], head_shape[-2:], _val(pv).shape[-1]
     values = pv.args[1]
     source = _batch_source(values)
@@ -144,6 +167,13 @@ def distribute_over_heads(pv: torch.fx.Node) -> Optional[Decline]:
     if isinstance(region, Decline):
         build.take_back()
         return region
+    if coefficients is not None:
+        combined = fuse(region, coefficients)
+        if tuple(_val(combined).shape) != tuple(_val(pv).shape):
+            combined = build.call(aten.reshape.default, combined, list(_val(pv).shape))
+        pv.replace_all_uses_with(combined)
+        counters["inductor"]["flashlight_attention_fused"] += 1
+        return None
 
     per_head = build.call(aten.reshape.default, out, [*batch, m, dv])
     env = {s: build.call(aten.select.int, per_head, dim, s.args[2]) for s in found.selects}

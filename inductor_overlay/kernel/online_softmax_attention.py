@@ -48,18 +48,14 @@ def _grid(z, m, n, meta, *, cdiv):
     return (cdiv(m, meta["BLOCK_M"]), z, 1)
 
 
-ONLINE_SOFTMAX_ATTENTION = r"""
+ATTENTION_HEAD = r"""
 {{def_kernel(INPUT_NAMES)}}
     M = {{size("Q", -2)}}
     N = {{size("KT", -1)}}
 
-    # This program owns rows [start_m, start_m + BLOCK_M) of one (flattened) batch entry fl_z.
-    fl_z = tl.program_id(1).to(INDEX_DTYPE)
+    # This program owns rows [start_m, start_m + BLOCK_M) of one (flattened) output batch entry out_z.
+    out_z = tl.program_id(1).to(INDEX_DTYPE)
     start_m = tl.program_id(0).to(INDEX_DTYPE) * BLOCK_M
-    # Each operand keeps its own batch dims and strides (transposed, expanded for GQA, ...): no copies.
-    q_base = Q + BATCH_OFFSET_Q
-    kt_base = KT + BATCH_OFFSET_KT
-    v_base = V + BATCH_OFFSET_V
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, D_TILE)
     offs_dv = tl.arange(0, DV_TILE)
@@ -70,7 +66,13 @@ ONLINE_SOFTMAX_ATTENTION = r"""
         fl_m = offs_m[:, None]
     else:
         fl_m = tl.minimum(offs_m, M - 1)[:, None]
+"""
 
+# One head: the online-softmax pass over the column tiles for batch entry fl_z, leaving its result in acc.
+ONE_HEAD = r"""    # Each operand keeps its own batch dims and strides (transposed, expanded for GQA, ...): no copies.
+    q_base = Q + BATCH_OFFSET_Q
+    kt_base = KT + BATCH_OFFSET_KT
+    v_base = V + BATCH_OFFSET_V
     # The Q tile stays in registers for the whole N loop (the D loop is eliminated: D is one tile).
     q = tl.load(q_base + offs_m[:, None] * {{stride("Q", -2)}} + offs_d[None, :] * {{stride("Q", -1)}},
                 mask=row_in_bounds & (offs_d[None, :] < D), other=0.0)
@@ -101,8 +103,10 @@ ONLINE_SOFTMAX_ATTENTION = r"""
         ACCUMULATE
 
     FINISH
+"""
 
-    idx_z = fl_z
+ATTENTION_TAIL = r"""
+    idx_z = out_z
     idx_m = offs_m[:, None]
     idx_d = offs_dv[None, :]
     mask = row_in_bounds & (idx_d < DV)
@@ -191,27 +195,44 @@ VISIBLE_TILES = """# Block skipping: tiles whose every element the position mask
         end_n = tl.where(masked, end_n, scan_n + BLOCK_N)"""
 
 
+# Heads whose outputs the user combines linearly (DiffAttn's A0·V − λ·A1·V, distributed by
+# fx_passes/head_combination.py): one program runs the pass for each head of its group in turn and adds the
+# normalised result, times the head's coefficient, into the output tile, so the per-head outputs never reach memory.
+GROUPED_HEADS = """    combined = tl.zeros([BLOCK_M, DV_TILE], tl.float32)
+    for group in tl.static_range(GROUPS):
+        fl_z = out_z * GROUPS + group
+ONE_HEAD
+        combined += tl.load(COEF + group * {{stride("COEF", 0)}}).to(tl.float32) * acc
+    acc = combined
+"""
+
+
 @functools.lru_cache(maxsize=None)
 def online_softmax_attention_template(
-    batch_ranks: tuple[int, ...], masked_tile_code: Optional[str], softmax: bool = True
+    batch_ranks: tuple[int, ...], masked_tile_code: Optional[str], softmax: bool = True, groups: int = 1
 ) -> TritonTemplate:
     """The kernel template for operands with the given numbers of batch dims (q, kᵀ, v and, if there is a fourth,
-    the sink), position mask, and normalisation (softmax, or none)."""
-    names = ("Q", "KT", "V", "SINK")[: len(batch_ranks)]
+    the sink), position mask, normalisation (softmax, or none) and head groups (1: no combination)."""
+    names = ["Q", "KT", "V", "SINK"][: len(batch_ranks)] + (["COEF"] if groups > 1 else [])
     if not softmax:
         state, accumulate, finish = LINEAR_STATE, LINEAR_ACCUMULATE, LINEAR_FINISH
     else:
         state, accumulate, finish = SINK_STATE if "SINK" in names else SOFTMAX_STATE, SOFTMAX_ACCUMULATE, SOFTMAX_FINISH
-    source = (
-        ONLINE_SOFTMAX_ATTENTION.replace("INPUT_NAMES", ", ".join(f'"{name}"' for name in names))
-        .replace("ROW_STATE", state)
+    tile_range = ALL_TILES if masked_tile_code is None else VISIBLE_TILES.replace("FULLY_MASKED", masked_tile_code)
+    one_head = (
+        ONE_HEAD.replace("ROW_STATE", state)
         .replace("ACCUMULATE", accumulate.replace("LOAD_V", LOAD_V))
         .replace("FINISH", finish)
+        .replace("TILE_RANGE", tile_range)
     )
     for name, rank in zip(names, batch_ranks):
-        source = source.replace(f"BATCH_OFFSET_{name}\n", f"{_batch_offset(name, rank)}\n")
-    tile_range = ALL_TILES if masked_tile_code is None else VISIBLE_TILES.replace("FULLY_MASKED", masked_tile_code)
-    source = source.replace("TILE_RANGE", tile_range)
+        one_head = one_head.replace(f"BATCH_OFFSET_{name}\n", f"{_batch_offset(name, rank)}\n")
+    if groups == 1:
+        heads = "    fl_z = out_z\n" + one_head
+    else:
+        nested = "\n".join("    " + line if line else line for line in one_head.splitlines())
+        heads = GROUPED_HEADS.replace("ONE_HEAD", nested.replace("indent_except_first(2)", "indent_except_first(3)"))
+    source = ATTENTION_HEAD.replace("INPUT_NAMES", ", ".join(f'"{name}"' for name in names)) + heads + ATTENTION_TAIL
     digest = hashlib.sha256(source.encode()).hexdigest()[:10]
     return TritonTemplate(name=f"flashlight_attention_{digest}", grid=_grid, source=source)
 
@@ -229,10 +250,14 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-def kernel_configs(d: int, dv: int, device: torch.device) -> list[dict[str, int]]:
-    """Tile sizes to autotune over (BLOCK_M, BLOCK_N, warps, stages), pruned by the head dims (QK, V)."""
+def kernel_configs(d: int, dv: int, device: torch.device, groups: int = 1) -> list[dict[str, int]]:
+    """Tile sizes to autotune over (BLOCK_M, BLOCK_N, warps, stages), pruned by the head dims (QK, V) and by
+    head groups (whose combined output tile is live beside the accumulator: more warps per row tile)."""
     if device.type != "cuda" or _interpreting():
         return [dict(BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=1)]
+    if groups > 1:
+        shapes = [(64, 64, 4, 3), (128, 64, 8, 3), (64, 64, 8, 3)] if dv <= 128 else [(64, 64, 8, 2), (64, 32, 8, 2), (64, 32, 4, 2)]
+        return [dict(BLOCK_M=m, BLOCK_N=n, num_warps=w, num_stages=s) for m, n, w, s in shapes]
     # From H100 sweeps (bf16): benchmarks/results/h100_2026-11-22_tile_sweep (causal and soft-cap) and
     # h100_2026-11-22_programs/sweep.txt (DiffAttn's D/Dv = 64/128 and 128/256, Evoformer): winners and runners-up.
     if max(d, dv) <= 64:
@@ -298,7 +323,7 @@ def _lower_score_chain(chain_id: int, score_size: list[Any], device: torch.devic
 
 
 @register_lowering(torch.ops.flashlight.online_softmax_attention.default, type_promotion_kind=None)
-def online_softmax_attention_lowering(q, kt, v, captured, sink, chain_id):
+def online_softmax_attention_lowering(q, kt, v, captured, sink, chain_id, group_coefficients=None):
     chain = SCORE_CHAINS[chain_id]
     device = q.get_device()
     for tensor in captured:
@@ -312,6 +337,11 @@ def online_softmax_attention_lowering(q, kt, v, captured, sink, chain_id):
     logits = _lower_score_chain(chain_id, score_size, device, list(captured))
     # Realised as they are: the kernel reads any strides (no stride-1 copy, unlike ``realize_inputs``).
     operands = [ir.ExternKernel.realize_input(t) for t in (q, kt, v, sink) if t is not None]
+    groups = 1
+    if group_coefficients is not None:
+        groups = int(group_coefficients.get_size()[0])
+        z = z // groups
+        operands.append(ir.ExternKernel.realize_input(group_coefficients))
     for tensor in operands:
         tensor.freeze_layout()
     q, kt, v = operands[:3]
@@ -319,9 +349,12 @@ def online_softmax_attention_lowering(q, kt, v, captured, sink, chain_id):
     layout = ir.FixedLayout(device, v.get_dtype(), [z, m, dv], ir.FlexibleLayout.contiguous_strides([z, m, dv]))
     fp32_dot = v.get_dtype() == torch.float32
     choices: list[Any] = []
-    for config in kernel_configs(d, dv, device):
+    for config in kernel_configs(d, dv, device, groups):
         template = online_softmax_attention_template(
-            tuple(len(t.get_size()) - 2 for t in operands), chain.masked_tile_code, chain.softmax
+            tuple(len(t.get_size()) - 2 for t in operands[: 4 if sink is not None else 3]),
+            chain.masked_tile_code,
+            chain.softmax,
+            groups,
         )
         error = template.maybe_append_choice(
             choices,
@@ -335,6 +368,7 @@ def online_softmax_attention_lowering(q, kt, v, captured, sink, chain_id):
             DV_TILE=_tile(dv),
             LOG2E=LOG2E,
             SINK_SCALE=chain.sink_scale * LOG2E,
+            GROUPS=groups,
             DOT_PRECISION="'tf32'" if fp32_dot and torch.backends.cuda.matmul.allow_tf32 else "'ieee'",
             # Triton's interpreter multiplies 16-bit dot operands wrongly; it gets exact float32 ones instead.
             UPCAST_DOT_OPERANDS=_interpreting(),
