@@ -2,8 +2,9 @@
 
     python -m benchmarks.bench_programs --programs diff_attention,evoformer_row_attention --out DIR [--block]
 
-Implementations: ``eager``, ``compile`` (default torch.compile, overlay off), ``flashlight`` (overlay on), and
-``flex`` where FlexAttention approximates the program. Times are medians of ``triton.testing.do_bench``; every row
+Implementations: ``eager``, ``compile`` (default torch.compile, overlay off), ``flashlight`` (overlay on),
+``flashlight_grouped`` (with ``combine_head_groups_in_kernel``), and ``flex`` where FlexAttention approximates the
+program. Times are medians of ``triton.testing.do_bench``; every row
 is checked against a float32 eager reference (computed in head chunks where the full one would not fit). Results:
 ``DIR/programs.csv``, ``DIR/programs.md``, ``DIR/log.txt``, with device, versions and date on each row.
 """
@@ -105,9 +106,10 @@ def bench_program(program: Program, size: dict, impls: list[str], stamp: dict, l
                 run, out = compiled(FLEX_APPROXIMATIONS[program.name], overlay=False)(**inputs)
                 torch.cuda.synchronize()
                 compile_s = time.perf_counter() - start
-            elif impl in ("compile", "flashlight"):
+            elif impl in ("compile", "flashlight", "flashlight_grouped"):
+                policy = {"combine_head_groups_in_kernel": True} if impl == "flashlight_grouped" else {}
                 start = time.perf_counter()
-                run, out = compiled(fn, overlay=impl == "flashlight")(**inputs)
+                run, out = compiled(fn, overlay=impl != "compile", **policy)(**inputs)
                 torch.cuda.synchronize()
                 compile_s = time.perf_counter() - start
             else:

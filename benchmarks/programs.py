@@ -160,9 +160,10 @@ class Program:
 PROGRAMS = {
     p.name: p
     for p in [
-        # One kernel runs both softmaxes of each head pair (V's head read in place) and subtracts them in registers;
-        # two one-element kernels compute the heads' coefficients (1 and -λ) from λ.
-        Program("diff_attention", diff_attention, diff_inputs, diff_flops, kernels=3, dots=2,
+        # The fused attention runs over all 2h query/key heads (each pair shares its V head, read in place); one
+        # pointwise kernel subtracts the two halves (2 kernels: the second is O(output), not O(S²)). With
+        # config.combine_head_groups_in_kernel the subtraction happens in the attention kernel instead.
+        Program("diff_attention", diff_attention, diff_inputs, diff_flops, kernels=2, dots=2,
                 cpu_size=dict(B=2, H=4, S=37, D=16),
                 gpu_sizes=tuple(dict(B=max(1, 16384 // s), H=h, S=s, D=d)
                                 for h, d in ((32, 64), (16, 128)) for s in (512, 1024, 2048, 4096, 8192, 16384))),

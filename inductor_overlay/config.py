@@ -24,6 +24,12 @@ attention_fusion: bool = os.environ.get("FLASHLIGHT_ATTENTION_FUSION", "1") != "
 linear_fusion_max_inner_dim: int = 128
 linear_fusion_min_rows: int = 16384
 
+# DiffAttn-style head combinations with scalar coefficients: False runs one attention kernel over all heads and a
+# pointwise kernel for the combination; True runs the heads of a group in turn in one program and combines them in
+# registers (one kernel, no per-head outputs in memory). False is faster on the H100
+# (benchmarks/results/h100_2026-11-22_programs_grouped/).
+combine_head_groups_in_kernel: bool = os.environ.get("FLASHLIGHT_COMBINE_HEAD_GROUPS_IN_KERNEL", "0") == "1"
+
 # Skip key tiles that the user's position mask (causal, sliding window, ...) sets entirely to -inf.
 block_skipping: bool = os.environ.get("FLASHLIGHT_BLOCK_SKIPPING", "1") != "0"
 

@@ -63,9 +63,10 @@ def test_diff_attention_combines_the_head_pair_in_registers():
     one output tile: no per-head output buffer, only the output and the two head coefficients."""
     program = programs.PROGRAMS["diff_attention"]
     inputs = program.inputs(**program.cpu_size)
-    out, code = compile_on_cpu(program.fn, inputs)
+    out, code = compile_on_cpu(program.fn, inputs, combine_head_groups_in_kernel=True)
     testing.assert_close_to_reference(out, program.fn(**float64(inputs)))
-    FileCheck().check("for group in tl.static_range(GROUPS)").check("alpha = tl.exp2(").check(
+    testing.check_kernels(code, kernels=3, extern_calls=0)  # + two one-element kernels: the coefficients 1 and -λ
+    FileCheck().check("for group in range(GROUPS)").check("alpha = tl.exp2(").check(
         "acc = tl.dot(p, v, acc * alpha"
     ).check("acc = acc / l_i").check("combined += tl.load(COEF").check("acc = combined").run(fused_kernel(code))
     allocated = sorted(testing.allocated_buffer_numels(code))
@@ -78,12 +79,14 @@ def diff_attention_per_head_lambda(q, k, v, lam):
     return (weights[:, :, 0] - lam.view(1, -1, 1, 1) * weights[:, :, 1]) @ v
 
 
-def test_diff_attention_with_a_per_head_lambda_combines_outside_the_kernel():
+@pytest.mark.parametrize("in_kernel", [False, True])
+def test_diff_attention_with_a_per_head_lambda_combines_outside_the_kernel(in_kernel):
     """λ per head is constant along N, so the matmul still distributes; the combination is a pointwise kernel over
-    the [.., M, 2d] outputs of all 2h heads (never over the M×N probabilities)."""
+    the [.., M, 2d] outputs of all 2h heads (never over the M×N probabilities), even when in-kernel combination of
+    scalar coefficients is on."""
     inputs = programs.diff_inputs(B=2, H=4, S=29, D=8)
     inputs["lam"] = torch.rand(2)
-    out, code = compile_on_cpu(diff_attention_per_head_lambda, inputs)
+    out, code = compile_on_cpu(diff_attention_per_head_lambda, inputs, combine_head_groups_in_kernel=in_kernel)
     testing.assert_close_to_reference(out, diff_attention_per_head_lambda(**float64(inputs)))
     assert counters["inductor"]["flashlight_attention_fused"] == 1
     testing.check_kernels(code, kernels=2, extern_calls=0)

@@ -6,9 +6,9 @@ dim the matmul contracts, so ``(Σ_j c_j·A_j) V = Σ_j c_j·(A_j V)``. The righ
 heads — head ``2i+j`` reads V's head ``i`` in place through a stride-0 expand, as for GQA — followed by the same
 combination applied to its ``[.., M, Dv]`` output: a pointwise op over the output instead of over the M×N
 probabilities. The attention then fuses into one online-softmax kernel. When the coefficients are scalars and the
-split dim is the innermost head dim, that kernel also does the combination: each program runs the heads of one
-group in turn and adds their normalised outputs, weighted, into one output tile (one kernel, and the per-head
-outputs never reach memory). The rewrite is kept only when the new matmul fuses (``find_attention`` accepts it);
+split dim is the innermost head dim, that kernel can also do the combination (``config.combine_head_groups_in_kernel``):
+each program runs the heads of one group in turn and adds their normalised outputs, weighted, into one output
+tile (one kernel, and the per-head outputs never reach memory). The rewrite is kept only when the new matmul fuses (``find_attention`` accepts it);
 otherwise the graph is left as it was.
 """
 
@@ -150,7 +150,11 @@ def distribute_over_heads(pv: torch.fx.Node) -> Optional[Decline]:
 
     build = _Builder(pv)
     # Scalar coefficients on the innermost batch dim: the kernel combines each group of heads in registers.
-    in_kernel = dim == len(head_shape) - 3 and all(_val(c).dim() == 0 for c in found.coefficients)
+    in_kernel = (
+        config.combine_head_groups_in_kernel
+        and dim == len(head_shape) - 3
+        and all(_val(c).dim() == 0 for c in found.coefficients)
+    )
     coefficients = _coefficient_vector(build, found, head_shape[dim]) if in_kernel else None
     batch, (m, n), dv = head_shape[:-2], head_shape[-2:], _val(pv).shape[-1]
     values = pv.args[1]

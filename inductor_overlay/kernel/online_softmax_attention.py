@@ -199,7 +199,7 @@ VISIBLE_TILES = """# Block skipping: tiles whose every element the position mask
 # fx_passes/head_combination.py): one program runs the pass for each head of its group in turn and adds the
 # normalised result, times the head's coefficient, into the output tile, so the per-head outputs never reach memory.
 GROUPED_HEADS = """    combined = tl.zeros([BLOCK_M, DV_TILE], tl.float32)
-    for group in tl.static_range(GROUPS):
+    for group in range(GROUPS):
         fl_z = out_z * GROUPS + group
 ONE_HEAD
         combined += tl.load(COEF + group * {{stride("COEF", 0)}}).to(tl.float32) * acc
