@@ -13,17 +13,16 @@ from __future__ import annotations
 
 import argparse
 import csv
-import datetime
 import pathlib
 import time
-from typing import Any, Callable, Optional
+from typing import Any, Callable
 
 import torch
 
 import flashlight
 
 flashlight.enable()  # explicit, so the script also runs from a checkout that is not pip-installed
-from benchmarks.bench_attention import compiled, relative_error
+from benchmarks.bench_attention import compiled, relative_error, speedups, start_run
 from benchmarks.evoformer_block import EvoformerBlock, block_inputs
 from benchmarks.programs import PROGRAMS, Program
 
@@ -169,13 +168,8 @@ def markdown(rows: list[dict]) -> str:
         cases.setdefault((row["program"], row["size"]), {})[row["impl"]] = row
     for (program, size), impls in cases.items():
         for impl, row in impls.items():
-            ratios = []
-            for base in ("eager", "compile", "flex"):
-                other: Optional[dict] = impls.get(base)
-                valid = other and impl != base and row["ms"] == row["ms"] and other["ms"] == other["ms"]
-                ratios.append(f"{other['ms'] / row['ms']:.2f}×" if valid else "")
             lines.append(f"| {program} | {size} | {impl} | {row['ms']} | {row['tflops']} | {row['rel_err']} | "
-                         f"{row['compile_s']} | " + " | ".join(ratios) + " |")
+                         f"{row['compile_s']} | " + " | ".join(speedups(impls, impl, ("eager", "compile", "flex"))) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -187,20 +181,8 @@ def main() -> None:
     parser.add_argument("--block", action="store_true", help="also time an Evoformer block end to end")
     parser.add_argument("--out", default="benchmarks/results/latest")
     args = parser.parse_args()
-    import triton
-
     out_dir = pathlib.Path(args.out)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    stamp = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
-                 date=datetime.date.today().isoformat())
-    log_file = (out_dir / "log.txt").open("a")
-
-    def log(message: str) -> None:
-        print(message, flush=True)
-        log_file.write(message + "\n")
-        log_file.flush()
-
-    log(f"# {stamp}")
+    stamp, log = start_run(out_dir)
     rows: list[dict] = []
 
     def save() -> None:

@@ -22,6 +22,9 @@ import torch
 SCORE_MODS = ["none", "scale_scores", "softcap", "alibi_arange", "bias_tensor", "relu_bias", "abs_distance"]
 MASKS = ["none", "causal", "window", "prefix", "bool_tensor", "additive_tensor", "padding_finfo", "doc_ids", "causal_1e10"]
 LAYOUTS = ["bhsd", "bshd", "3d", "noncontiguous_k"]
+# What turns logits into the weights of V: a softmax (most programs), a softmax with a sink column (gpt-oss, and the
+# form that subtracts the row max first), a sigmoid, or nothing (a plain chained matmul; drawn without a mask).
+NORMALISATIONS = ["softmax"] * 4 + ["sinks", "sinks_shifted", "sigmoid", "none"]
 
 
 @dataclasses.dataclass
@@ -40,6 +43,8 @@ class Program:
     layout: str
     upcast: bool
     scale_on: str  # "scores", "q", "k"
+    normalisation: str = "softmax"
+    diff_heads: bool = False  # DiffAttn: heads in pairs, weights w0 - λ·w1 meet every other V head
 
     @property
     def kv_heads(self) -> int:
@@ -48,7 +53,7 @@ class Program:
     def describe(self) -> str:
         return (f"seed={self.seed} {self.layout} B{self.B} H{self.H}/{self.kv_heads} M{self.M} N{self.N} "
                 f"D{self.D} Dv{self.Dv} {str(self.dtype)[6:]} mod={self.score_mod} mask={self.mask} "
-                f"upcast={self.upcast} scale_on={self.scale_on}")
+                f"upcast={self.upcast} scale_on={self.scale_on} norm={self.normalisation} diff={int(self.diff_heads)}")
 
 
 def draw(seed: int) -> Program:
@@ -57,7 +62,7 @@ def draw(seed: int) -> Program:
     mask = rng.choice(MASKS)
     m = rng.choice([1, 3, 16, 17, 33, 40])
     n = m if mask in self_attention_mask or rng.random() < 0.5 else rng.choice([2, 5, 16, 31, 48])
-    return Program(
+    program = Program(
         seed=seed,
         B=rng.choice([1, 2]),
         H=rng.choice([1, 2, 4]),
@@ -73,6 +78,12 @@ def draw(seed: int) -> Program:
         upcast=rng.random() < 0.5,
         scale_on=rng.choice(["scores", "q", "k"]),
     )
+    # Drawn after the fields above so that older seeds keep their programs (regression seeds stay valid).
+    program.normalisation = rng.choice(NORMALISATIONS)
+    if program.normalisation == "none":
+        program.mask = "none"
+    program.diff_heads = program.H % 2 == 0 and program.layout != "3d" and rng.random() < 0.25
+    return program
 
 
 def make_inputs(p: Program) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]]:
@@ -95,6 +106,8 @@ def make_inputs(p: Program) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]
         "additive": torch.where(torch.rand(p.M, p.N, generator=generator) > 0.3, 0.0, float("-inf")).to(p.dtype),
         "lengths": torch.randint(1, p.N + 1, (p.B,), generator=generator),
         "doc": torch.sort(torch.randint(0, 3, (p.B, p.N), generator=generator)).values,
+        "sinks": torch.randn(p.H, generator=generator).to(p.dtype),
+        "lam": torch.rand((), generator=generator).to(p.dtype),
     }
     return [q, k, v], extras
 
@@ -103,7 +116,7 @@ def build(p: Program) -> Callable:
     """The program as plain PyTorch, the way a user would write it for this combination."""
     kv_heads = p.kv_heads
 
-    def program(q, k, v, bias, keep, additive, lengths, doc):
+    def program(q, k, v, bias, keep, additive, lengths, doc, sinks, lam):
         if p.layout == "bshd":
             q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         if kv_heads != p.H:
@@ -154,9 +167,23 @@ def build(p: Program) -> Callable:
             s = s.masked_fill(doc[:, None, :, None] != doc[:, None, None, :], float("-inf"))
         elif p.mask == "causal_1e10":
             s = torch.where(cols <= rows, s, torch.full_like(s, -1e10) if s.dtype == torch.float32 else -1e4)
-        probabilities = torch.softmax(s, dim=-1)
+        if p.normalisation in ("sinks", "sinks_shifted"):
+            s = torch.cat([s, sinks.reshape(1, p.H, 1, 1).expand(p.B, p.H, p.M, 1).to(s.dtype)], dim=-1)
+            if p.normalisation == "sinks_shifted":
+                s = s - s.max(dim=-1, keepdim=True).values
+            probabilities = torch.softmax(s, dim=-1)[..., :-1]
+        elif p.normalisation == "sigmoid":
+            probabilities = torch.sigmoid(s - math.log(p.N))
+        elif p.normalisation == "none":
+            probabilities = s
+        else:
+            probabilities = torch.softmax(s, dim=-1)
         if p.upcast:
             probabilities = probabilities.to(v.dtype)
+        if p.diff_heads:
+            pairs = probabilities.view(p.B, p.H // 2, 2, p.M, p.N)
+            out = (pairs[:, :, 0] - lam * pairs[:, :, 1]) @ v[:, ::2]
+            return out.transpose(1, 2) if p.layout == "bshd" else out
         if p.layout == "3d":
             out = probabilities.reshape(-1, p.M, p.N) @ v
             return out.view(p.B, p.H, p.M, -1)

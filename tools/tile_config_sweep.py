@@ -22,31 +22,38 @@ CANDIDATES = {
 }
 
 
+def time_with_config(fn, config: tuple[int, int, int, int], *args, **kwargs) -> float:
+    """Median ms of ``torch.compile(fn)`` whose fused kernel may use only ``config`` (BLOCK_M, BLOCK_N, warps,
+    stages); NaN if that config does not compile."""
+    m, n, warps, stages = config
+    original = kernel.kernel_configs
+    kernel.kernel_configs = lambda *_: [dict(BLOCK_M=m, BLOCK_N=n, num_warps=warps, num_stages=stages)]
+    torch._dynamo.reset()
+    try:
+        with fresh_cache():  # the config is not part of Inductor's cache key
+            compiled = torch.compile(fn)
+            compiled(*args, **kwargs)
+        return triton.testing.do_bench(lambda: compiled(*args, **kwargs), warmup=25, rep=100, return_mode="median")
+    except Exception as err:  # a config that does not compile is a row, not a dead sweep
+        print(f"  failed: {type(err).__name__}", flush=True)
+        return float("nan")
+    finally:
+        kernel.kernel_configs = original
+
+
 def main() -> None:
     flashlight.enable()
     variants, shapes = sys.argv[1].split(","), sys.argv[2].split(",")
-    original = kernel.kernel_configs
     for shape_text in shapes:
         shape = parse_shape(shape_text)
         for name in variants:
             variant = VARIANTS[name]
             q, k, v, extras = make_inputs(variant, shape, device="cuda", dtype=torch.bfloat16)
-            for m, n, warps, stages in CANDIDATES[shape.D]:
-                kernel.kernel_configs = lambda d, dv, device, c=(m, n, warps, stages): [
-                    dict(BLOCK_M=c[0], BLOCK_N=c[1], num_warps=c[2], num_stages=c[3])
-                ]
-                torch._dynamo.reset()
-                try:
-                    with fresh_cache():  # the config is not part of Inductor's cache key
-                        fn = torch.compile(variant.reference)
-                        fn(q, k, v, **extras)
-                    ms = triton.testing.do_bench(lambda: fn(q, k, v, **extras), warmup=25, rep=100, return_mode="median")
-                except Exception as err:  # a config that does not compile is a row, not a dead sweep
-                    ms = float("nan")
-                    print(f"  failed: {type(err).__name__}", flush=True)
+            for config in CANDIDATES[shape.D]:
+                ms = time_with_config(variant.reference, config, q, k, v, **extras)
+                m, n, warps, stages = config
                 print(f"{name:12} {shape_text:14} BLOCK_M={m:3} BLOCK_N={n:3} warps={warps} stages={stages}  {ms:.4f} ms",
                       flush=True)
-    kernel.kernel_configs = original
 
 
 if __name__ == "__main__":
