@@ -230,6 +230,20 @@ def check_kernels(
         FileCheck().check_count("extern_kernels.", extern_calls, exactly=True).run(text)
 
 
+def column_tile_loops(kernel: str) -> int:
+    """How many loops over column tiles a fused attention kernel has: 1, or 3 when the tiles a position mask leaves
+    entirely visible get a loop of their own between the partial tiles before and after them (checked)."""
+    from torch.testing import FileCheck
+
+    loops = kernel.count("for start_n in range(")
+    assert loops in (1, 3), f"{loops} column-tile loops"
+    if loops == 3:
+        FileCheck().check("for start_n in range(first_n, full_lo, BLOCK_N)").check(
+            "for start_n in range(full_lo, full_hi, BLOCK_N)"
+        ).check("for start_n in range(full_hi, end_n, BLOCK_N)").run(kernel)
+    return loops
+
+
 def allocated_buffer_numels(code: str | Sequence[str]) -> list[int]:
     """Element counts of every buffer the generated wrapper allocates (``empty_strided_*``)."""
     text = code if isinstance(code, str) else "\n".join(code)

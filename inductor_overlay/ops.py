@@ -29,6 +29,10 @@ class ScoreChain:
     probability_dtype: torch.dtype  # dtype the probabilities had when they met v
     masked_tile_code: Optional[str] = None  # Triton test that a tile is entirely -inf by position (block skipping)
     softmax: bool = True  # False: no normalisation, the chain's output meets V (sigmoid attention, (A·B)·C)
+    # The chain without its position-mask ``where``s, and the Triton test that a tile is entirely unmasked: such
+    # tiles run this chain instead (no per-element mask math). None: every tile runs the whole chain.
+    unmasked_graph_module: Optional[torch.fx.GraphModule] = None
+    visible_tile_code: Optional[str] = None
     sink_scale: float = 1.0  # the softmax's logit scale, applied to the sink logit as to the others
 
 

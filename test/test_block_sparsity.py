@@ -89,9 +89,8 @@ def test_position_masks_skip_tiles_and_stay_exact(fn, skip_test):
     with testing.cpu_triton():
         out, code = testing.compile_and_get_code(fn, q, k, v)
     kernel = "\n".join(testing.triton_kernels(code).values())
-    FileCheck().check("for scan_n in range(0, N, BLOCK_N)").check(skip_test).check(
-        "for start_n in range(first_n, end_n, BLOCK_N)"
-    ).run(kernel)
+    FileCheck().check("for scan_n in range(0, N, BLOCK_N)").check(skip_test).check("visible = ").run(kernel)
+    assert testing.column_tile_loops(kernel) == 3
     expected = fn(q.double(), k.double(), v.double())
     assert torch.equal(out.isnan(), expected.isnan())
     testing.assert_close_to_reference(out, expected)
@@ -107,8 +106,37 @@ def test_finite_fill_is_not_skipped():
 
 
 def test_flag_off_visits_every_tile():
+    """Without block skipping no tile is skipped: no pre-pass at all, or (when visible tiles still get a loop of
+    their own) one whose skip test never holds."""
     q, k, v = (torch.randn(1, 2, 40, 16) for _ in range(3))
-    with testing.cpu_triton(), config.patch(block_skipping=False):
+    with testing.cpu_triton(), config.patch(block_skipping=False, split_visible_tiles=False):
         out, code = testing.compile_and_get_code(variants.causal_masked_fill, q, k, v)
     FileCheck().check_not("for scan_n").run(code[0])
+    with testing.cpu_triton(), config.patch(block_skipping=False):
+        out, code = testing.compile_and_get_code(variants.causal_masked_fill, q, k, v, fresh_cache=True)
+    FileCheck().check("masked = (n_lo < 0)").check("visible = ").run(code[0])
+    testing.assert_close_to_reference(out, variants.causal_masked_fill(q.double(), k.double(), v.double()))
+
+
+def test_entirely_visible_tiles_run_the_chain_without_its_mask():
+    """The loop over tiles the causal mask leaves entirely visible has no mask math; the loops over the tiles it
+    cuts through keep the user's where(..., -inf, ...). Same result as eager, NaN rows included."""
+    q, k, v = (torch.randn(1, 2, 70, 16) for _ in range(3))
+    with testing.cpu_triton():
+        out, code = testing.compile_and_get_code(variants.causal_masked_fill, q, k, v)
+    kernel = "\n".join(testing.triton_kernels(code).values())
+    loops = kernel.split("for start_n in range(")[1:]
+    assert len(loops) == 3
+    partial_before, visible, partial_after = (loop.split("logits = tmp")[0] for loop in loops)
+    assert "tl.where(" in partial_before and "tl.where(" in partial_after
+    assert "tl.where(" not in visible
+    testing.assert_close_to_reference(out, variants.causal_masked_fill(q.double(), k.double(), v.double()))
+
+
+def test_split_flag_off_keeps_one_loop():
+    q, k, v = (torch.randn(1, 2, 40, 16) for _ in range(3))
+    with testing.cpu_triton(), config.patch(split_visible_tiles=False):
+        out, code = testing.compile_and_get_code(variants.causal_masked_fill, q, k, v)
+    kernel = "\n".join(testing.triton_kernels(code).values())
+    FileCheck().check("for start_n in range(first_n, end_n, BLOCK_N)").check_not("full_lo").run(kernel)
     testing.assert_close_to_reference(out, variants.causal_masked_fill(q.double(), k.double(), v.double()))

@@ -40,7 +40,12 @@ import torch
 from torch._dynamo.utils import counters
 
 from inductor_overlay import config
-from inductor_overlay.fx_passes.block_sparsity import fully_masked_tile_code, masked_positions
+from inductor_overlay.fx_passes.block_sparsity import (
+    fully_masked_tile_code,
+    fully_visible_tile_code,
+    is_minus_inf,
+    position_masks,
+)
 from inductor_overlay.kernel.online_softmax_attention import MAX_HEAD_DIM
 from inductor_overlay.ops import ScoreChain, register_score_chain
 
@@ -482,8 +487,9 @@ def find_attention(pv: torch.fx.Node, dead: frozenset = frozenset()) -> Union[De
     )
 
 
-def _score_chain_module(region: AttentionRegion) -> torch.fx.GraphModule:
-    """The chain from scores to logits as its own graph: (scores, *captured) -> logits."""
+def _score_chain_module(region: AttentionRegion, unmasked: frozenset = frozenset()) -> torch.fx.GraphModule:
+    """The chain from scores to logits as its own graph: (scores, *captured) -> logits. The ``where(cond, -inf, x)``
+    nodes in ``unmasked`` pass ``x`` through (for tiles where ``cond`` is false everywhere)."""
     graph = torch.fx.Graph()
     scores = graph.placeholder("scores")
     env = {region.score_root: scores}
@@ -492,6 +498,13 @@ def _score_chain_module(region: AttentionRegion) -> torch.fx.GraphModule:
     if region.operand_scale != 1.0:
         env[region.score_root] = graph.call_function(aten.mul.Tensor, (scores, region.operand_scale))
     for node in region.chain:
+        if node in unmasked:
+            condition, if_true, if_false = node.args
+            kept = if_false if is_minus_inf(if_true) else if_true
+            env[node] = env[kept] if isinstance(kept, torch.fx.Node) else graph.call_function(
+                aten.full_like.default, (scores, kept)
+            )
+            continue
         env[node] = graph.node_copy(node, lambda arg: env[arg])
     logits = env[region.logits]
     if region.logit_scale != 1.0:
@@ -505,17 +518,19 @@ def fuse(region: AttentionRegion, group_coefficients: Optional[torch.fx.Node] = 
     consecutive heads; see ``ops.py``) and return the node that now stands for ``region.pv``."""
     graph = region.pv.graph
     score_shape = _val(region.score_root).shape
+    formula, mask_nodes = position_masks(region.chain, len(score_shape)) if region.softmax else (None, [])
+    visible_tile_code = fully_visible_tile_code(formula) if config.split_visible_tiles else None
     chain_id = register_score_chain(
         ScoreChain(
             graph_module=_score_chain_module(region),
             batch_shape=tuple(score_shape[:-2]) or (1,),
             score_dtype=_val(region.qk).dtype,
             probability_dtype=region.probability_dtype,
-            masked_tile_code=fully_masked_tile_code(masked_positions(region.chain, len(score_shape)))
-            if config.block_skipping and region.softmax
-            else None,
+            masked_tile_code=fully_masked_tile_code(formula) if config.block_skipping else None,
             softmax=region.softmax,
             sink_scale=region.logit_scale,
+            unmasked_graph_module=_score_chain_module(region, frozenset(mask_nodes)) if visible_tile_code else None,
+            visible_tile_code=visible_tile_code,
         )
     )
     with graph.inserting_before(region.pv):

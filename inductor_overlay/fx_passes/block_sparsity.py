@@ -97,7 +97,7 @@ def _axes(chain: list[torch.fx.Node], logits_rank: int) -> dict:
     return axis_of
 
 
-def _is_minus_inf(node: object) -> bool:
+def is_minus_inf(node: object) -> bool:
     if isinstance(node, (int, float)):
         return node == -math.inf
     return (
@@ -108,23 +108,33 @@ def _is_minus_inf(node: object) -> bool:
     )
 
 
-def masked_positions(chain: list[torch.fx.Node], logits_rank: int) -> Optional[sympy.Boolean]:
-    """A formula over (m, n) true where the chain sets the logit to -inf by position alone, or None."""
+def position_masks(chain: list[torch.fx.Node], logits_rank: int) -> tuple[Optional[sympy.Boolean], list[torch.fx.Node]]:
+    """A formula over (m, n) true where the chain sets the logit to -inf by position alone (or None), and the
+    ``where`` nodes that do it."""
     axis_of = _axes(chain, logits_rank)
-    masks = []
+    masks, nodes = [], []
     for node in chain:
         if node.op != "call_function" or node.target is not aten.where.self:
             continue
         condition, if_true, if_false = node.args
         try:
-            if _is_minus_inf(if_true):
-                masks.append(_value(condition, axis_of))
-            elif _is_minus_inf(if_false):
-                masks.append(sympy.Not(_value(condition, axis_of)))
+            if is_minus_inf(if_true):
+                mask = _value(condition, axis_of)
+            elif is_minus_inf(if_false):
+                mask = sympy.Not(_value(condition, axis_of))
+            else:
+                continue
         except (Unknown, KeyError, TypeError):
             continue
-    masks = [m for m in masks if m.free_symbols <= {ROW, COL} and isinstance(m, sympy.logic.boolalg.Boolean)]
-    return sympy.Or(*masks) if masks else None
+        if mask.free_symbols <= {ROW, COL} and isinstance(mask, sympy.logic.boolalg.Boolean):
+            masks.append(mask)
+            nodes.append(node)
+    return (sympy.Or(*masks) if masks else None), nodes
+
+
+def masked_positions(chain: list[torch.fx.Node], logits_rank: int) -> Optional[sympy.Boolean]:
+    """A formula over (m, n) true where the chain sets the logit to -inf by position alone, or None."""
+    return position_masks(chain, logits_rank)[0]
 
 
 # ---------------------------------------------------------------------------------------------- interval codegen
@@ -189,13 +199,22 @@ def _always(formula: sympy.Boolean, bounds: dict) -> tuple[str, str]:
     raise Unknown(formula)
 
 
-def fully_masked_tile_code(formula: Optional[sympy.Boolean]) -> Optional[str]:
-    """Triton expression, over m_lo, m_hi, n_lo, n_hi, that is true when every element of the tile is masked."""
+def _tile_codes(formula: Optional[sympy.Boolean]) -> tuple[Optional[str], Optional[str]]:
     if formula is None:
-        return None
+        return None, None
     bounds = {ROW: _Interval("m_lo", "m_hi"), COL: _Interval("n_lo", "n_hi")}
     try:
-        everywhere, _ = _always(formula, bounds)
+        return _always(formula, bounds)
     except Unknown:
-        return None
-    return everywhere
+        return None, None
+
+
+def fully_masked_tile_code(formula: Optional[sympy.Boolean]) -> Optional[str]:
+    """Triton expression, over m_lo, m_hi, n_lo, n_hi, that is true when every element of the tile is masked."""
+    return _tile_codes(formula)[0]
+
+
+def fully_visible_tile_code(formula: Optional[sympy.Boolean]) -> Optional[str]:
+    """Triton expression, over m_lo, m_hi, n_lo, n_hi, that is true when no element of the tile is masked: there the
+    mask's ``where`` may be dropped from the chain."""
+    return _tile_codes(formula)[1]
