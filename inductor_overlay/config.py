@@ -18,7 +18,8 @@ fault_containment: bool = os.environ.get("FLASHLIGHT_FAULT_CONTAINMENT", "1") !=
 # Technique 1-4 together: fuse softmax(chain(q @ kᵀ)) @ v into one online-softmax Triton kernel.
 attention_fusion: bool = os.environ.get("FLASHLIGHT_ATTENTION_FUSION", "1") != "0"
 
-# Tiles that the position mask leaves entirely visible run the chain without its mask (a loop of their own).
+# Tiles that the position mask leaves entirely visible run the chain without its mask (a loop of their own),
+# where that pays (see attention_fusion._worth_a_visible_loop).
 split_visible_tiles: bool = os.environ.get("FLASHLIGHT_SPLIT_VISIBLE_TILES", "1") != "0"
 
 # Matmuls fed by pointwise ops of another matmul with no softmax between (sigmoid attention, (A·B)·C) fuse only

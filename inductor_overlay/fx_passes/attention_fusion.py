@@ -510,7 +510,20 @@ def _score_chain_module(region: AttentionRegion, unmasked: frozenset = frozenset
     if region.logit_scale != 1.0:
         logits = graph.call_function(aten.mul.Tensor, (logits, region.logit_scale))
     graph.output(logits)
+    graph.eliminate_dead_code()  # the bypassed masks' conditions
     return torch.fx.GraphModule(torch.nn.Module(), graph)
+
+
+def _worth_a_visible_loop(unmasked: torch.fx.GraphModule, region: AttentionRegion) -> bool:
+    """A loop of its own for entirely visible tiles pays where the mask is most of the per-element work: on the
+    H100 it gave 6–15% at head dim 64 when the rest of the chain is only scaling (causal, prefix-LM, GQA), ~3% at
+    128, and lost 21% on Gemma-2's soft-capped window, while it doubles the kernel's compile time
+    (benchmarks/results/h100_2026-11-22_split_visible_tiles/)."""
+    scaling_only = all(
+        node.op != "call_function" or node.target in (aten.mul.Tensor, aten.div.Tensor, prims.convert_element_type.default)
+        for node in unmasked.graph.nodes
+    )
+    return scaling_only and _val(region.q.node).shape[-1 if not region.q.transposed else -2] <= 64
 
 
 def fuse(region: AttentionRegion, group_coefficients: Optional[torch.fx.Node] = None) -> torch.fx.Node:
@@ -519,7 +532,9 @@ def fuse(region: AttentionRegion, group_coefficients: Optional[torch.fx.Node] = 
     graph = region.pv.graph
     score_shape = _val(region.score_root).shape
     formula, mask_nodes = position_masks(region.chain, len(score_shape)) if region.softmax else (None, [])
-    visible_tile_code = fully_visible_tile_code(formula) if config.split_visible_tiles else None
+    unmasked = _score_chain_module(region, frozenset(mask_nodes)) if mask_nodes else None
+    split = config.split_visible_tiles and unmasked is not None and _worth_a_visible_loop(unmasked, region)
+    visible_tile_code = fully_visible_tile_code(formula) if split else None
     chain_id = register_score_chain(
         ScoreChain(
             graph_module=_score_chain_module(region),
@@ -529,7 +544,7 @@ def fuse(region: AttentionRegion, group_coefficients: Optional[torch.fx.Node] = 
             masked_tile_code=fully_masked_tile_code(formula) if config.block_skipping else None,
             softmax=region.softmax,
             sink_scale=region.logit_scale,
-            unmasked_graph_module=_score_chain_module(region, frozenset(mask_nodes)) if visible_tile_code else None,
+            unmasked_graph_module=unmasked if visible_tile_code else None,
             visible_tile_code=visible_tile_code,
         )
     )
