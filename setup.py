@@ -13,7 +13,7 @@ setup(
         # Triton 3.6's interpreter (the CPU test path) needs NumPy 1.x for looped reductions.
         "numpy<2",
     ],
-    extras_require={"test": ["pytest>=7", "expecttest", "filelock"]},
+    extras_require={"test": ["pytest>=7", "expecttest", "filelock", "matplotlib"]},
     entry_points={
         # torch loads this group at the end of `import torch`; the hook only arms a lazy import hook.
         "torch.backends": ["flashlight = flashlight._autoload:autoload"],
