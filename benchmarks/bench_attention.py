@@ -81,8 +81,13 @@ def bench_one(variant: Variant, shape: Shape, dtype: torch.dtype, impls: list[st
 
     shape = variant.adapt(shape)
     q, k, v, extras = make_inputs(variant, shape, device="cuda", dtype=dtype)
-    with torch.no_grad():
-        ref = variant.reference(q.float(), k.float(), v.float(), **{n: t.float() if t.is_floating_point() else t for n, t in extras.items()})
+    try:
+        with torch.no_grad():
+            ref = variant.reference(q.float(), k.float(), v.float(), **{n: t.float() if t.is_floating_point() else t for n, t in extras.items()})
+    except torch.cuda.OutOfMemoryError:  # float32 scores of the largest shapes do not fit: rows get rel_err nan
+        log("  float32 reference does not fit in memory at this shape: no error check (rel_err nan)")
+        ref = None
+        torch.cuda.empty_cache()
     rows = []
     fn = variant.reference
     for impl in impls:
@@ -118,7 +123,7 @@ def bench_one(variant: Variant, shape: Shape, dtype: torch.dtype, impls: list[st
             else:
                 raise ValueError(impl)
             out = run(q, k, v, **extras)
-            err = relative_error(out, ref)
+            err = relative_error(out, ref) if ref is not None else float("nan")
             ms = triton.testing.do_bench(lambda: run(q, k, v, **extras), warmup=50, rep=200, return_mode="median")
             fused = counters["inductor"]["flashlight_attention_fused"]
             fell_back = counters["inductor"]["flashlight_fault_fallback"]
