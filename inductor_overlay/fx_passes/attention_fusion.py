@@ -532,8 +532,8 @@ def fuse(region: AttentionRegion, group_coefficients: Optional[torch.fx.Node] = 
     graph = region.pv.graph
     score_shape = _val(region.score_root).shape
     formula, mask_nodes = position_masks(region.chain, len(score_shape)) if region.softmax else (None, [])
-    unmasked = _score_chain_module(region, frozenset(mask_nodes)) if mask_nodes else None
-    split = config.split_visible_tiles and unmasked is not None and _worth_a_visible_loop(unmasked, region)
+    unmasked = _score_chain_module(region, frozenset(mask_nodes)) if mask_nodes and config.split_visible_tiles else None
+    split = unmasked is not None and _worth_a_visible_loop(unmasked, region)
     visible_tile_code = fully_visible_tile_code(formula) if split else None
     chain_id = register_score_chain(
         ScoreChain(

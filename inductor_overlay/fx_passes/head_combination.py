@@ -52,6 +52,13 @@ class _Combination:
         self.ops: list[torch.fx.Node] = []
         self.coefficients: list[torch.fx.Node] = []
 
+    def replay(self, build: "_Builder", head_values: dict) -> torch.fx.Node:
+        """The combination again, with each head slice replaced by ``head_values[select]``."""
+        env = dict(head_values)
+        for op in self.ops:
+            env[op] = build.call(op.target, *map_arg(op.args, lambda a: env.get(a, a)), **op.kwargs)
+        return env[self.ops[-1]]
+
     def _is_head_slice(self, node: torch.fx.Node) -> bool:
         if not (_is(node, aten.select.int) and isinstance(node.args[0], torch.fx.Node)):
             return False
@@ -124,13 +131,11 @@ def _coefficient_vector(build: _Builder, found: _Combination, groups: int) -> to
     device = _val(found.heads).device
     coefficients = []
     for head in range(groups):
-        env = {
+        units = {
             s: build.call(aten.full.default, [], float(s.args[2] % groups == head), dtype=torch.float32, device=device)
             for s in found.selects
         }
-        for op in found.ops:
-            env[op] = build.call(op.target, *map_arg(op.args, lambda a: env.get(a, a)), **op.kwargs)
-        coefficients.append(build.call(aten.reshape.default, env[found.ops[-1]], [1]))
+        coefficients.append(build.call(aten.reshape.default, found.replay(build, units), [1]))
     return build.call(aten.cat.default, coefficients)
 
 
@@ -180,10 +185,8 @@ def distribute_over_heads(pv: torch.fx.Node) -> Optional[Decline]:
         return None
 
     per_head = build.call(aten.reshape.default, out, [*batch, m, dv])
-    env = {s: build.call(aten.select.int, per_head, dim, s.args[2]) for s in found.selects}
-    for op in found.ops:
-        env[op] = build.call(op.target, *map_arg(op.args, lambda a: env.get(a, a)), **op.kwargs)
-    result = build.call(aten.reshape.default, env[combined], list(_val(pv).shape))
+    selected = {s: build.call(aten.select.int, per_head, dim, s.args[2]) for s in found.selects}
+    result = build.call(aten.reshape.default, found.replay(build, selected), list(_val(pv).shape))
     pv.replace_all_uses_with(result)
     return None
 
