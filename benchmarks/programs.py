@@ -66,6 +66,33 @@ def evoformer_flops(B, N_seq, S, H, D, **_):
     return 4.0 * B * N_seq * H * S * S * D
 
 
+# ---------------------------------------------------------------- invariant point attention (AlphaFold2), its attention core
+def ipa_attention(q, k, v, q_pts, k_pts, pair_bias, head_weights, z):
+    """IPA-style logits and outputs. q, k, v: [B, H, S, C]; q_pts, k_pts: [B, H, S, P, 3], points in the global
+    frame; pair_bias: [B, H, S, S] (projected from z); head_weights: [H] (softplus(γ)); z: [B, S, S, Cz].
+    Returns A·V and Σ_j a_ij z_ij ([B, H, S, Cz])."""
+    c, points = q.shape[-1], q_pts.shape[-2]
+    distance = ((q_pts.unsqueeze(-3) - k_pts.unsqueeze(-4)) ** 2).sum(dim=(-1, -2))
+    point_weight = head_weights.view(1, -1, 1, 1) * (2.0 / (9 * points)) ** 0.5 / 2
+    logits = (q @ k.transpose(-1, -2) * c**-0.5 + pair_bias - point_weight * distance) * 3**-0.5
+    weights = torch.softmax(logits, dim=-1)
+    return weights @ v, (weights.unsqueeze(-1) * z.unsqueeze(1)).sum(-2)
+
+
+def ipa_inputs(B=1, H=4, S=24, C=16, P=4, Cz=16, device="cpu", dtype=torch.float32, generator=None):
+    rand = _rand(generator, device, dtype)
+    return dict(
+        q=rand(B, H, S, C), k=rand(B, H, S, C), v=rand(B, H, S, C),
+        q_pts=rand(B, H, S, P, 3), k_pts=rand(B, H, S, P, 3), pair_bias=rand(B, H, S, S),
+        head_weights=torch.nn.functional.softplus(rand(H)), z=rand(B, S, S, Cz),
+    )
+
+
+def ipa_flops(B, H, S, C, P, Cz, **_):
+    # QKᵀ and A·V, the squared distance (3 flops per coordinate), and the pair reduction.
+    return 2.0 * B * H * S * S * 2 * C + 3.0 * B * H * S * S * P * 3 + 2.0 * B * H * S * S * Cz
+
+
 # ---------------------------------------------------------------- attention sinks (gpt-oss)
 def attention_sinks(q, k, v, sinks):
     """gpt-oss: a learned per-head logit joins each row's softmax as an extra column, which is then dropped."""
@@ -170,6 +197,10 @@ PROGRAMS = {
         Program("evoformer_row_attention", evoformer_row_attention, evoformer_inputs, evoformer_flops, kernels=1,
                 dots=2, cpu_size=dict(B=1, N_seq=3, S=21, H=2, D=16),
                 gpu_sizes=(dict(B=1, N_seq=256, S=256, H=4, D=64), dict(B=1, N_seq=256, S=256, H=4, D=128))),
+        # A·V and Σ_j a_ij z_ij accumulate in one loop; the squared point distance is computed per tile element.
+        Program("ipa_attention", ipa_attention, ipa_inputs, ipa_flops, kernels=1, dots=2,
+                cpu_size=dict(B=1, H=3, S=21, C=16, P=4, Cz=8),
+                gpu_sizes=(dict(B=1, H=12, S=256, C=16, P=4, Cz=128), dict(B=1, H=12, S=768, C=16, P=4, Cz=32))),
         Program("attention_sinks", attention_sinks, sinks_inputs, causal_flops, kernels=1, dots=2,
                 cpu_size=dict(B=2, H=4, S=37, D=16),
                 gpu_sizes=(dict(B=4, H=32, S=4096, D=64), dict(B=8, H=16, S=2048, D=128))),

@@ -45,6 +45,8 @@ class Program:
     scale_on: str  # "scores", "q", "k"
     normalisation: str = "softmax"
     diff_heads: bool = False  # DiffAttn: heads in pairs, weights w0 - λ·w1 meet every other V head
+    points: int = 0  # IPA: minus a squared distance between P query and key points (3-d) joins the logits
+    pair_channels: int = 0  # IPA: a second output, the probabilities reduced against a [B, M, N, C] pair tensor
 
     @property
     def kv_heads(self) -> int:
@@ -53,7 +55,8 @@ class Program:
     def describe(self) -> str:
         return (f"seed={self.seed} {self.layout} B{self.B} H{self.H}/{self.kv_heads} M{self.M} N{self.N} "
                 f"D{self.D} Dv{self.Dv} {str(self.dtype)[6:]} mod={self.score_mod} mask={self.mask} "
-                f"upcast={self.upcast} scale_on={self.scale_on} norm={self.normalisation} diff={int(self.diff_heads)}")
+                f"upcast={self.upcast} scale_on={self.scale_on} norm={self.normalisation} diff={int(self.diff_heads)} "
+                f"points={self.points} pair={self.pair_channels}")
 
 
 def draw(seed: int) -> Program:
@@ -83,6 +86,9 @@ def draw(seed: int) -> Program:
     if program.normalisation == "none":
         program.mask = "none"
     program.diff_heads = program.H % 2 == 0 and program.layout != "3d" and rng.random() < 0.25
+    program.points = rng.choice([0, 0, 0, 2, 5])
+    if program.normalisation in ("softmax", "sinks", "sinks_shifted") and not program.diff_heads and program.layout != "3d":
+        program.pair_channels = rng.choice([0, 0, 0, 4, 9])
     return program
 
 
@@ -108,6 +114,9 @@ def make_inputs(p: Program) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]
         "doc": torch.sort(torch.randint(0, 3, (p.B, p.N), generator=generator)).values,
         "sinks": torch.randn(p.H, generator=generator).to(p.dtype),
         "lam": torch.rand((), generator=generator).to(p.dtype),
+        "q_points": rand(p.B, p.H, p.M, max(p.points, 1), 3),
+        "k_points": rand(p.B, p.H, p.N, max(p.points, 1), 3),
+        "pair": rand(p.B, p.M, p.N, max(p.pair_channels, 1)),
     }
     return [q, k, v], extras
 
@@ -116,7 +125,7 @@ def build(p: Program) -> Callable:
     """The program as plain PyTorch, the way a user would write it for this combination."""
     kv_heads = p.kv_heads
 
-    def program(q, k, v, bias, keep, additive, lengths, doc, sinks, lam):
+    def program(q, k, v, bias, keep, additive, lengths, doc, sinks, lam, q_points, k_points, pair):
         if p.layout == "bshd":
             q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         if kv_heads != p.H:
@@ -150,6 +159,9 @@ def build(p: Program) -> Callable:
             s = s + torch.relu(bias).to(s.dtype) * 2
         elif p.score_mod == "abs_distance":
             s = s - (0.1 * (rows - cols).abs()).to(s.dtype)
+        if p.points:
+            distance = ((q_points.unsqueeze(-3) - k_points.unsqueeze(-4)) ** 2).sum(dim=(-1, -2))
+            s = s - (0.05 * distance).to(s.dtype)
         if p.mask == "causal":
             s = s.masked_fill(cols > rows, float("-inf"))
         elif p.mask == "window":
@@ -188,7 +200,10 @@ def build(p: Program) -> Callable:
             out = probabilities.reshape(-1, p.M, p.N) @ v
             return out.view(p.B, p.H, p.M, -1)
         out = probabilities @ v
-        return out.transpose(1, 2) if p.layout == "bshd" else out
+        out = out.transpose(1, 2) if p.layout == "bshd" else out
+        if p.pair_channels:
+            return out, (probabilities.unsqueeze(-1) * pair.unsqueeze(1).to(probabilities.dtype)).sum(-2)
+        return out
 
     return program
 
@@ -211,15 +226,17 @@ def check(p: Program) -> tuple[bool, bool, str]:
     expected = program(*(a.double() for a in args), **up)
     eager = program(*args, **extras)
     rtol, atol = TOLERANCE[p.dtype]
-    # Half-precision eager itself rounds; the bar is the float64 reference with eager's own error as slack.
-    slack = (eager.double() - expected).abs().nan_to_num(0).max().item() if p.dtype != torch.float32 else 0.0
-    same_nans = torch.equal(out.isnan(), expected.isnan())
-    close = torch.allclose(out.double(), expected, rtol=rtol, atol=atol + 2 * slack, equal_nan=True)
     fused = counters["inductor"]["flashlight_attention_fused"] >= 1
     faulted = counters["inductor"]["flashlight_fault_fallback"] > 0
-    error = (out.double() - expected).abs().nan_to_num(0).max().item()
-    detail = f"max error {error:.2e} (slack {slack:.1e})" + (" OVERLAY FAULT (fell back)" if faulted else "")
-    return same_nans and close and not faulted, fused, detail
+    matches, details = not faulted, []
+    for actual, reference, own in zip(*(t if isinstance(t, tuple) else (t,) for t in (out, expected, eager)), strict=True):
+        # Half-precision eager itself rounds; the bar is the float64 reference with eager's own error as slack.
+        slack = (own.double() - reference).abs().nan_to_num(0).max().item() if p.dtype != torch.float32 else 0.0
+        same_nans = torch.equal(actual.isnan(), reference.isnan())
+        close = torch.allclose(actual.double(), reference, rtol=rtol, atol=atol + 2 * slack, equal_nan=True)
+        matches = matches and same_nans and close
+        details.append(f"max error {(actual.double() - reference).abs().nan_to_num(0).max().item():.2e} (slack {slack:.1e})")
+    return matches, fused, "; ".join(details) + (" OVERLAY FAULT (fell back)" if faulted else "")
 
 
 def main() -> int:

@@ -34,6 +34,15 @@ linear_fusion_min_rows: int = 16384
 # (benchmarks/results/h100_2026-11-22_programs_grouped/).
 combine_head_groups_in_kernel: bool = os.environ.get("FLASHLIGHT_COMBINE_HEAD_GROUPS_IN_KERNEL", "0") == "1"
 
+# A sum over at most this many elements of values that do not depend on the scores (IPA's squared distance
+# between query and key points) moves into the score chain, unrolled per tile element, instead of being
+# materialised as an M×N tensor the kernel reads.
+chain_reduction_max_elements: int = 16
+
+# The probabilities reduced against a per-pair tensor beside P·V (IPA's Σ_j a_ij·z_ij) accumulate in the same
+# loop up to this many channels; the kernel holds a [BLOCK_M, BLOCK_N, channels] tile of the pair tensor.
+pair_reduction_max_channels: int = 128
+
 # Skip key tiles that the user's position mask (causal, sliding window, ...) sets entirely to -inf.
 block_skipping: bool = os.environ.get("FLASHLIGHT_BLOCK_SKIPPING", "1") != "0"
 

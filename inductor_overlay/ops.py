@@ -3,7 +3,10 @@
 ``out[z] = softmax_N(chain(q[z] @ kt[z])) @ v[z]`` where ``chain`` is the user's own pointwise program between
 the two matmuls. With a ``sink`` (one logit per row) the softmax runs over one more column, which meets no V. A
 chain registered with ``softmax=False`` meets V directly: ``out[z] = chain(q[z] @ kt[z]) @ v[z]``. With
-``group_coefficients`` (G values) the output combines consecutive groups of G heads: ``Σ_g c[g]·out[z·G + g]``. ``chain`` is kept (a GraphModule kept in :data:`SCORE_CHAINS`, keyed by the op's ``chain_id``). Each operand keeps the
+``group_coefficients`` (G values) the output combines consecutive groups of G heads: ``Σ_g c[g]·out[z·G + g]``.
+``online_softmax_attention_with_pair_sum`` also returns the probabilities reduced against a per-pair tensor,
+``Σ_N p[z, m, n] · pair_values[z, m, n, :]`` (IPA). ``chain`` is kept (a GraphModule kept in
+:data:`SCORE_CHAINS`, keyed by the op's ``chain_id``). Each operand keeps the
 batch dims it had before the matmul flattened them (q ``[*bq, M, D]``, kt ``[*bk, D, N]``, v ``[*bv, N, Dv]``, each
 batch flattening row-major to the same Z entries); the output is ``[Z, M, Dv]``, as the matmul's was. The chain
 sees scores shaped ``[*batch, M, N]`` with ``prod(batch) == Z``, exactly as in the user's graph.
@@ -34,6 +37,7 @@ class ScoreChain:
     unmasked_graph_module: Optional[torch.fx.GraphModule] = None
     visible_tile_code: Optional[str] = None
     sink_scale: float = 1.0  # the softmax's logit scale, applied to the sink logit as to the others
+    pair_dtype: Optional[torch.dtype] = None  # dtype of the pair reduction's result, when there is one
 
 
 SCORE_CHAINS: dict[int, ScoreChain] = {}
@@ -51,22 +55,31 @@ _library.define(
     "online_softmax_attention(Tensor q, Tensor kt, Tensor v, Tensor[] captured, Tensor? sink, int chain_id, "
     "Tensor? group_coefficients=None) -> Tensor"
 )
+_library.define(
+    "online_softmax_attention_with_pair_sum(Tensor q, Tensor kt, Tensor v, Tensor[] captured, Tensor? sink, "
+    "int chain_id, Tensor pair_values) -> (Tensor, Tensor)"
+)
+
+
+def _probabilities(chain: ScoreChain, q, kt, v, captured, sink) -> torch.Tensor:
+    """``[*batch, M, N]`` probabilities as the user's graph computes them (the unfused meaning of the op)."""
+    m, d, n = q.shape[-2], q.shape[-1], v.shape[-2]
+    z = math.prod(chain.batch_shape)
+    scores = torch.bmm(q.reshape(z, m, d), kt.reshape(z, d, n)).view(*chain.batch_shape, m, n)
+    logits = chain.graph_module(scores, *captured)
+    if not chain.softmax:
+        return logits.to(chain.probability_dtype)
+    if sink is None:
+        return torch.softmax(logits, dim=-1).to(chain.probability_dtype)
+    sink_logits = sink.expand(*chain.batch_shape, m, 1).to(logits.dtype) * chain.sink_scale
+    return torch.softmax(torch.cat([logits, sink_logits], -1), dim=-1)[..., :n].to(chain.probability_dtype)
 
 
 @torch.library.impl(_library, "online_softmax_attention", "CompositeExplicitAutograd")
 def online_softmax_attention_eager(q, kt, v, captured, sink, chain_id, group_coefficients=None):
-    """The unfused meaning of the op, written as the user's graph computes it."""
     chain = SCORE_CHAINS[chain_id]
-    z, (m, d), (n, dv) = math.prod(chain.batch_shape), q.shape[-2:], v.shape[-2:]
-    scores = torch.bmm(q.reshape(z, m, d), kt.reshape(z, d, n)).view(*chain.batch_shape, m, n)
-    logits = chain.graph_module(scores, *captured)
-    if not chain.softmax:
-        probabilities = logits.to(chain.probability_dtype)
-    elif sink is None:
-        probabilities = torch.softmax(logits, dim=-1).to(chain.probability_dtype)
-    else:
-        sink_logits = sink.expand(*chain.batch_shape, m, 1).to(logits.dtype) * chain.sink_scale
-        probabilities = torch.softmax(torch.cat([logits, sink_logits], -1), dim=-1)[..., :n].to(chain.probability_dtype)
+    probabilities = _probabilities(chain, q, kt, v, captured, sink)
+    z, (m, n), dv = math.prod(chain.batch_shape), probabilities.shape[-2:], v.shape[-1]
     out = torch.bmm(probabilities.reshape(z, m, n), v.reshape(z, n, dv))
     if group_coefficients is None:
         return out
@@ -75,9 +88,27 @@ def online_softmax_attention_eager(q, kt, v, captured, sink, chain_id, group_coe
     return weighted.sum(1).to(out.dtype)
 
 
+@torch.library.impl(_library, "online_softmax_attention_with_pair_sum", "CompositeExplicitAutograd")
+def online_softmax_attention_with_pair_sum_eager(q, kt, v, captured, sink, chain_id, pair_values):
+    """Also ``Σ_N p[..., m, n] · pair_values[..., m, n, c]``, as ``[Z, M, C]``."""
+    chain = SCORE_CHAINS[chain_id]
+    probabilities = _probabilities(chain, q, kt, v, captured, sink)
+    z, (m, n), dv = math.prod(chain.batch_shape), probabilities.shape[-2:], v.shape[-1]
+    out = torch.bmm(probabilities.reshape(z, m, n), v.reshape(z, n, dv))
+    pair = (probabilities.unsqueeze(-1).to(chain.pair_dtype) * pair_values).sum(-2)
+    return out, pair.reshape(z, m, pair_values.shape[-1])
+
+
 @torch.library.register_fake("flashlight::online_softmax_attention")
 def online_softmax_attention_fake(q, kt, v, captured, sink, chain_id, group_coefficients=None):
     z = math.prod(SCORE_CHAINS[chain_id].batch_shape)
     if group_coefficients is not None:
         z = z // group_coefficients.numel()
     return q.new_empty(z, q.shape[-2], v.shape[-1], dtype=v.dtype)
+
+
+@torch.library.register_fake("flashlight::online_softmax_attention_with_pair_sum")
+def online_softmax_attention_with_pair_sum_fake(q, kt, v, captured, sink, chain_id, pair_values):
+    chain = SCORE_CHAINS[chain_id]
+    z, m = math.prod(chain.batch_shape), q.shape[-2]
+    return q.new_empty(z, m, v.shape[-1], dtype=v.dtype), q.new_empty(z, m, pair_values.shape[-1], dtype=chain.pair_dtype)

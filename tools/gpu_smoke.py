@@ -39,6 +39,9 @@ for shape, dtype in CASES:
                 fused = torch._dynamo.utils.counters["inductor"]["flashlight_attention_fused"]
                 ok = fused == 1 and len(kernels) == 1 and err < (2e-2 if dtype != torch.float32 else 1e-4)
                 failures += not ok
-                print(f"{'ok ' if ok else 'BAD'} {variant.name:15} {idiom:22} {str(dtype):15} {shape} kernels={len(kernels)} fused={fused} err={err:.2e}", flush=True)
+                # Diagnostics for an unfused result: was the overlay's entry point called, was the graph a cache hit?
+                seen = torch._dynamo.utils.counters["inductor"]
+                trace = f"patched={flashlight.is_enabled()} entry={seen['flashlight_compile_fx']} cache_hit={seen['fxgraph_cache_hit']}"
+                print(f"{'ok ' if ok else 'BAD'} {variant.name:15} {idiom:22} {str(dtype):15} {shape} kernels={len(kernels)} fused={fused} err={err:.2e} {trace}", flush=True)
 print("failures:", failures)
 sys.exit(1 if failures else 0)

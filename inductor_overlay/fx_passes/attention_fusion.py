@@ -34,7 +34,7 @@ import dataclasses
 import logging
 import math
 import operator
-from typing import Optional, Union
+from typing import Any, Optional, Union
 
 import torch
 from torch._dynamo.utils import counters
@@ -96,6 +96,7 @@ class AttentionRegion:
     softmax: bool  # False: the chain's output meets V directly (sigmoid attention, chained matmuls)
     sink: Optional[torch.fx.Node]  # a per-row logit that joins the softmax as a dropped extra column (attention sinks)
     operand_scale: float  # constant factor taken off q or k (moved onto the scores, where it is free)
+    pair: Optional["PairReduction"]  # the probabilities also reduced against a per-pair tensor (IPA), or None
     q: "BatchSource"  # operands as the kernel reads them: [*batch, M, D], [*batch, D, N], [*batch, N, Dv]
     kt: "BatchSource"
     v: "BatchSource"
@@ -192,6 +193,19 @@ def _is_inlinable(node: torch.fx.Node) -> bool:
     return torch.Tag.pointwise in tags or node.target in (*_VIEWS, *_INDEX_SOURCES, prims.convert_element_type.default)
 
 
+def _is_small_reduction(node: torch.fx.Node) -> bool:
+    """A floating-point ``sum`` over static dims of at most ``config.chain_reduction_max_elements`` elements (a
+    squared distance between points, say). Off the score path it can move into the chain: the kernel computes it
+    per tile element, unrolled, instead of reading it as an M×N tensor."""
+    if not _is(node, aten.sum.dim_IntList) or node.kwargs.get("dtype") is not None or len(node.args) < 2:
+        return False
+    source = _val(node.args[0])
+    if source is None or not source.is_floating_point() or not node.args[1]:
+        return False
+    sizes = [source.shape[d] for d in node.args[1]]
+    return all(isinstance(s, int) for s in sizes) and math.prod(sizes) <= config.chain_reduction_max_elements
+
+
 def _depends_on(node: torch.fx.Node, target: torch.fx.Node, memo: dict) -> bool:
     if node is target:
         return True
@@ -226,7 +240,7 @@ def _collect_chain(
                 return Decline(f"`{node.target}` between the matmul and the softmax is not elementwise on the scores")
             if tuple(_val(node).shape) != logits_shape:
                 return Decline(f"`{node.target}` on the scores changes their shape")
-        elif not _is_inlinable(node):
+        elif not (_is_inlinable(node) or _is_small_reduction(node)):
             captured[node] = None
             continue
         chain.add(node)
@@ -379,6 +393,60 @@ def _split_sink(logits: torch.fx.Node) -> Union[Decline, tuple[torch.fx.Node, to
     return x, sink, [*upcast, logits]
 
 
+@dataclasses.dataclass(frozen=True)
+class PairReduction:
+    """``sum_N(p.unsqueeze(-1) * y, -2)``: the probabilities reduced against a per-pair tensor ``y`` broadcastable
+    to ``[*batch, M, N, C]`` (IPA's ``Σ_j a_ij z_ij``). Linear in ``p`` like ``P·V``, so it accumulates in the same
+    loop under the same rescaling and normaliser: the probabilities are still never stored."""
+
+    values: torch.fx.Node  # y
+    result: torch.fx.Node  # the sum, [*batch, M, C]; replaced by the fused node's second output
+    nodes: tuple  # the unsqueeze and the product, dead once fused
+
+
+def _match_pair_reduction(
+    unsqueezed: torch.fx.Node, score_shape: tuple, qk: torch.fx.Node, pv: torch.fx.Node
+) -> Union[Decline, PairReduction]:
+    product = next(iter(unsqueezed.users)) if len(unsqueezed.users) == 1 else None
+    if not _is(product, aten.mul.Tensor):
+        return Decline("the probabilities are used outside the attention, other than p.unsqueeze(-1) * y")
+    values = product.args[1] if product.args[0] is unsqueezed else product.args[0]
+    value = _val(values)
+    if value is None or not value.is_floating_point() or _depends_on(values, qk, {}) or _depends_on(values, pv, {}):
+        return Decline("the per-pair tensor the probabilities meet is not a float tensor independent of the scores")
+    shape = tuple(_val(product).shape)
+    if shape[:-1] != score_shape or not isinstance(shape[-1], int):
+        return Decline("the per-pair tensor broadcasts the probabilities or has a dynamic channel count")
+    if shape[-1] > config.pair_reduction_max_channels:
+        return Decline(f"{shape[-1]} per-pair channels exceed pair_reduction_max_channels")
+    total = next(iter(product.users)) if len(product.users) == 1 else None
+    keepdim = total is not None and (total.args[2] if len(total.args) > 2 else total.kwargs.get("keepdim", False))
+    if not (
+        _is(total, aten.sum.dim_IntList)
+        and list(total.args[1]) in ([-2], [len(shape) - 2])
+        and not keepdim
+        and total.kwargs.get("dtype") is None
+    ):
+        return Decline("p.unsqueeze(-1) * y is not summed over N alone")
+    return PairReduction(values=values, result=total, nodes=(unsqueezed, product))
+
+
+def _find_pair_reduction(
+    probabilities: list[torch.fx.Node], score_shape: tuple, qk: torch.fx.Node, pv: torch.fx.Node
+) -> Union[None, Decline, PairReduction]:
+    """The probabilities' one reduction against a per-pair tensor, if they have one (rule 4 allows it)."""
+    found = [
+        _match_pair_reduction(user, score_shape, qk, pv)
+        for node in probabilities
+        if tuple(_val(node).shape) == score_shape
+        for user in node.users
+        if _is(user, aten.unsqueeze.default) and user.args[1] in (-1, len(score_shape)) and user not in probabilities
+    ]
+    if len(found) > 1:
+        return Decline("the probabilities are reduced against more than one per-pair tensor")
+    return found[0] if found else None
+
+
 def _match_linear(p: torch.fx.Node, head_dims: tuple[int, int], rows: int) -> Optional[Decline]:
     """Profitability of a matmul fed by pointwise ops of another matmul, with no softmax (sigmoid attention,
     ``(A·B)·C``): always legal; fused only where the kernel beats two GEMMs (small inner dims, enough row tiles)."""
@@ -461,10 +529,15 @@ def find_attention(pv: torch.fx.Node, dead: frozenset = frozenset()) -> Union[De
         scaling, factor = _operand_scale(operand)
         if scaling is not None:
             operand_scale *= factor
+    pair = _find_pair_reduction([p, *passthrough], tuple(_val(score_root).shape), qk, pv) if softmax else None
+    if isinstance(pair, Decline):
+        return pair
     scores = [qk, *_strip_order_preserving(score_root)[1]]
     internal = set(scores) | {n for n in chain if _depends_on(n, qk, {})} | set(softmax_nodes) | set(passthrough)
+    internal |= set(pair.nodes) if pair is not None else set()
+    replaced = {pv} | ({pair.result} if pair is not None else set())
     for node in internal:
-        outside = [u for u in node.users if u not in internal and u is not pv and u not in dead]
+        outside = [u for u in node.users if u not in internal and u not in replaced and u not in dead]
         if outside:
             user = "a graph output (e.g. saved for backward)" if outside[0].op == "output" else f"`{outside[0].name}`"
             return Decline(f"`{node.name}` is also used outside the attention (rule 4), by {user}")
@@ -480,6 +553,7 @@ def find_attention(pv: torch.fx.Node, dead: frozenset = frozenset()) -> Union[De
         logit_scale=logit_scale,
         softmax=softmax,
         sink=sink,
+        pair=pair,
         operand_scale=operand_scale,
         q=_batch_source(q),
         kt=_batch_source(kt),
@@ -526,6 +600,38 @@ def _worth_a_visible_loop(unmasked: torch.fx.GraphModule, region: AttentionRegio
     return scaling_only and _val(region.q.node).shape[-1 if not region.q.transposed else -2] <= 64
 
 
+def _call_op(graph: torch.fx.Graph, target: Any, args: tuple) -> torch.fx.Node:
+    """A new node with its fake value (computed under the graph's fake mode)."""
+    node = graph.call_function(target, args)
+    values = torch.fx.node.map_arg(args, lambda arg: arg.meta.get("val"))
+    tensors = [v for v in torch.utils._pytree.tree_leaves(values) if isinstance(v, torch.Tensor)]
+    fake_mode = torch._guards.detect_fake_mode(tensors)
+    with fake_mode or contextlib.nullcontext():
+        node.meta["val"] = target(*values)
+    return node
+
+
+def _broadcast(graph: torch.fx.Graph, node: torch.fx.Node, shape: list) -> torch.fx.Node:
+    """``node`` expanded to ``shape`` (a view: broadcast dims are read with stride 0)."""
+    if tuple(_val(node).shape) == tuple(shape):
+        return node
+    return _call_op(graph, aten.expand.default, (node, shape))
+
+
+def _hoist_before(node: torch.fx.Node, anchor: torch.fx.Node) -> None:
+    """Move ``node`` and what it needs that comes after ``anchor`` to just before it, in their order (the per-pair
+    tensor of a pair reduction is often viewed after the output matmul; the fused node stands where that was)."""
+    position = {n: i for i, n in enumerate(anchor.graph.nodes)}
+    late, stack = set(), [node]
+    while stack:
+        current = stack.pop()
+        if current not in late and position[current] > position[anchor]:
+            late.add(current)
+            stack.extend(current.all_input_nodes)
+    for moved in sorted(late, key=position.__getitem__):
+        anchor.prepend(moved)
+
+
 def fuse(region: AttentionRegion, group_coefficients: Optional[torch.fx.Node] = None) -> torch.fx.Node:
     """Replace the region by one fused node (with ``group_coefficients``, the node also combines each group of
     consecutive heads; see ``ops.py``) and return the node that now stands for ``region.pv``."""
@@ -546,24 +652,28 @@ def fuse(region: AttentionRegion, group_coefficients: Optional[torch.fx.Node] = 
             sink_scale=region.logit_scale,
             unmasked_graph_module=unmasked if visible_tile_code else None,
             visible_tile_code=visible_tile_code,
+            pair_dtype=_val(region.pair.result).dtype if region.pair is not None else None,
         )
     )
-    with graph.inserting_before(region.pv):
+    # The fused node stands where the first of its outputs was computed.
+    anchor = region.pv
+    if region.pair is not None:
+        anchor = next(n for n in graph.nodes if n is region.pv or n is region.pair.result)
+        _hoist_before(region.pair.values, anchor)
+    with graph.inserting_before(anchor):
         q, kt, v = (_materialise(graph, source) for source in (region.q, region.kt, region.v))
-        sink = region.sink
-        if sink is not None and tuple(_val(sink).shape) != (*score_shape[:-1], 1):
-            sink = graph.call_function(aten.expand.default, (sink, [*score_shape[:-1], 1]))
-            sink.meta["val"] = _val(region.sink).expand(*score_shape[:-1], 1)
-        fused = graph.call_function(
-            torch.ops.flashlight.online_softmax_attention.default,
-            (q, kt, v, list(region.captured), sink, chain_id, group_coefficients),
-        )
-        fake_mode = torch._guards.detect_fake_mode([_val(q)])
-        with fake_mode or contextlib.nullcontext():
-            fused.meta["val"] = torch.ops.flashlight.online_softmax_attention.default(
-                _val(q), _val(kt), _val(v), [_val(c) for c in region.captured], _val(sink) if sink is not None else None,
-                chain_id, _val(group_coefficients) if group_coefficients is not None else None,
-            )
+        sink = _broadcast(graph, region.sink, [*score_shape[:-1], 1]) if region.sink is not None else None
+        inputs = (q, kt, v, list(region.captured), sink, chain_id)
+        if region.pair is None:
+            fused = _call_op(graph, torch.ops.flashlight.online_softmax_attention.default, (*inputs, group_coefficients))
+        else:
+            assert group_coefficients is None, "head groups do not combine a pair reduction"
+            pair_shape = [*score_shape, _val(region.pair.result).shape[-1]]
+            values = _broadcast(graph, region.pair.values, pair_shape)
+            both = _call_op(graph, torch.ops.flashlight.online_softmax_attention_with_pair_sum.default, (*inputs, values))
+            fused, pair_sum = (_call_op(graph, operator.getitem, (both, i)) for i in (0, 1))
+            pair_result = _call_op(graph, aten.view.default, (pair_sum, list(_val(region.pair.result).shape)))
+            region.pair.result.replace_all_uses_with(pair_result)
         result = fused
         if _val(region.pv).dim() == 2:
             result = graph.call_function(aten.squeeze.dim, (fused, 0))

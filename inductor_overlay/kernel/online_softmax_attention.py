@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import itertools
 import math
 import os
 from typing import Any, Optional, Sequence
@@ -20,7 +21,7 @@ from typing import Any, Optional, Sequence
 import sympy
 import torch
 from torch._inductor import ir
-from torch._inductor.lowering import register_lowering
+from torch._inductor.lowering import empty_strided, register_lowering
 from torch._inductor.select_algorithm import (
     SymbolicGridFn,
     TritonTemplate,
@@ -35,6 +36,8 @@ from inductor_overlay.ops import SCORE_CHAINS
 
 # Dimension elimination keeps a whole head dim in one tile; above this a tile would not fit in registers.
 MAX_HEAD_DIM = 256
+
+aten = torch.ops.aten
 
 LOG2E = 1.4426950408889634  # exp(x) = exp2(x * LOG2E)
 
@@ -160,6 +163,26 @@ SOFTMAX_ACCUMULATE = """if EVEN_N:
 SOFTMAX_FINISH = """# Normalise once, after the loop (a row whose logits were all -inf gives 0/0 = NaN, as eager does).
     acc = acc / l_i[:, None]"""
 
+# A pair reduction (IPA's Σ_j a_ij z_ij) is linear in the probabilities like P·V: same rescaling, same normaliser.
+PAIR_STATE = """
+    pair_base = PAIR + BATCH_OFFSET_PAIR
+    offs_c = tl.arange(0, C_TILE)
+    pair_acc = tl.zeros([BLOCK_M, C_TILE], tl.float32)  # running sum of exp2(logit - m_i) * y, y the per-pair tensor"""
+
+PAIR_ACCUMULATE = """# pair_acc = alpha * pair_acc + sum over the tile's columns of p[m, n] * y[m, n, :].
+        y = tl.load(pair_base + offs_m[:, None, None] * {{stride("PAIR", -3)}} + offs_n[None, :, None] * {{stride("PAIR", -2)}}
+                    + offs_c[None, None, :] * {{stride("PAIR", -1)}},
+                    mask=row_in_bounds[:, :, None] & (offs_n[None, :, None] < N) & (offs_c[None, None, :] < C), other=0.0)
+        pair_acc = pair_acc * alpha[:, None] + tl.sum(p[:, :, None] * y.to(tl.float32), 1)
+
+        """
+
+PAIR_FINISH = """
+    pair_acc = pair_acc / l_i[:, None]
+    tl.store(PAIR_OUT + out_z * {{stride("PAIR_OUT", 0)}} + offs_m[:, None] * {{stride("PAIR_OUT", 1)}}
+             + offs_c[None, :] * {{stride("PAIR_OUT", 2)}},
+             pair_acc.to(PAIR_OUT.dtype.element_ty), mask=row_in_bounds & (offs_c[None, :] < C))"""
+
 # No softmax (sigmoid attention, (A·B)·C): the chain's output weighs V directly; nothing to rescale or normalise.
 LINEAR_STATE = """acc = tl.zeros([BLOCK_M, DV_TILE], tl.float32)  # running sum of chain(scores) * V"""
 
@@ -246,15 +269,21 @@ def online_softmax_attention_template(
     softmax: bool = True,
     groups: int = 1,
     visible_tile_code: Optional[str] = None,
+    pair_rank: Optional[int] = None,
 ) -> TritonTemplate:
     """The kernel template for operands with the given numbers of batch dims (q, kᵀ, v and, if there is a fourth,
     the sink), position mask (tests for entirely masked and entirely visible tiles), normalisation (softmax, or
-    none) and head groups (1: no combination)."""
+    none), head groups (1: no combination) and pair reduction (the per-pair tensor's batch dims, or None)."""
     names = ["Q", "KT", "V", "SINK"][: len(batch_ranks)] + (["COEF"] if groups > 1 else [])
     if not softmax:
         state, accumulate, finish = LINEAR_STATE, LINEAR_ACCUMULATE, LINEAR_FINISH
     else:
         state, accumulate, finish = SINK_STATE if "SINK" in names else SOFTMAX_STATE, SOFTMAX_ACCUMULATE, SOFTMAX_FINISH
+    if pair_rank is not None:
+        names += ["PAIR", "PAIR_OUT"]
+        batch_ranks = (*batch_ranks, pair_rank)
+        state, finish = state + PAIR_STATE, finish + PAIR_FINISH
+        accumulate = accumulate.replace("# acc = alpha * acc + P V", PAIR_ACCUMULATE + "# acc = alpha * acc + P V")
     if masked_tile_code is None and visible_tile_code is None:
         tile_range = ALL_TILES
     else:
@@ -295,11 +324,20 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-def kernel_configs(d: int, dv: int, device: torch.device, groups: int = 1) -> list[dict[str, int]]:
-    """Tile sizes to autotune over (BLOCK_M, BLOCK_N, warps, stages), pruned by the head dims (QK, V) and by
-    head groups (whose combined output tile is live beside the accumulator: more warps per row tile)."""
+# A pair reduction holds a [BLOCK_M, BLOCK_N, C] tile of the per-pair tensor: tiles are sized to keep it near 128
+# fp32 registers per thread (BLOCK_M·BLOCK_N·C ≤ 4096·warps).
+PAIR_TILES = [(64, 32, 8, 2), (32, 32, 4, 2), (32, 32, 8, 2), (16, 32, 4, 2), (32, 16, 4, 2), (16, 16, 8, 2)]
+
+
+def kernel_configs(d: int, dv: int, device: torch.device, groups: int = 1, pair_channels: int = 0) -> list[dict[str, int]]:
+    """Tile sizes to autotune over (BLOCK_M, BLOCK_N, warps, stages), pruned by the head dims (QK, V), by
+    head groups (whose combined output tile is live beside the accumulator: more warps per row tile) and by the
+    channels of a pair reduction."""
     if device.type != "cuda" or _interpreting():
         return [dict(BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=1)]
+    if pair_channels:
+        fitting = [t for t in PAIR_TILES if t[0] * t[1] * _tile(pair_channels) <= 4096 * t[2]] or PAIR_TILES[-1:]
+        return [dict(BLOCK_M=m, BLOCK_N=n, num_warps=w, num_stages=s) for m, n, w, s in fitting[:3]]
     if groups > 1:
         shapes = [(64, 64, 4, 3), (128, 64, 8, 3), (64, 64, 8, 3)] if dv <= 128 else [(64, 64, 8, 2), (64, 32, 8, 2), (64, 32, 4, 2)]
         return [dict(BLOCK_M=m, BLOCK_N=n, num_warps=w, num_stages=s) for m, n, w, s in shapes]
@@ -340,6 +378,31 @@ def _score_index(batch_shape: Sequence[Any], m: Any, n: Any) -> list[Any]:
     return [*reversed(index), rows, cols]
 
 
+def _unrolled_sum(x: Any, dims: Sequence[int], keepdim: bool = False) -> Any:
+    """A small sum the fusion pass moved into the score chain (``_is_small_reduction``: a squared distance between
+    points, say): per tile element, its few terms are loaded and added in turn, in float32."""
+    size = x.get_size()
+    reduced = sorted(d % len(size) for d in dims)
+    counts = [V.graph.sizevars.guard_int(size[d]) for d in reduced]
+    out_size = [1 if i in reduced else s for i, s in enumerate(size)] if keepdim else [
+        s for i, s in enumerate(size) if i not in reduced
+    ]
+    load, dtype = x.make_loader(), x.get_dtype()
+
+    def inner_fn(index: Sequence[Any]) -> Any:
+        kept = [i for position, i in enumerate(index) if position not in reduced] if keepdim else list(index)
+        total = None
+        for term in itertools.product(*(range(count) for count in counts)):
+            full = list(kept)
+            for dim, position in zip(reduced, term):
+                full.insert(dim, sympy.Integer(position))
+            value = ops.to_dtype(load(full), torch.float32)
+            total = value if total is None else ops.add(total, value)
+        return ops.to_dtype(total, dtype)
+
+    return ir.Pointwise.create(device=x.get_device(), dtype=dtype, inner_fn=inner_fn, ranges=out_size)
+
+
 def _lower_score_chain(
     graph_module: torch.fx.GraphModule, score_dtype: torch.dtype, score_size: list[Any], device: torch.device,
     captured: list[Any],
@@ -351,7 +414,9 @@ def _lower_score_chain(
             layout=ir.FixedLayout(device, score_dtype, score_size, ir.FlexibleLayout.contiguous_strides(score_size)),
         )
     )
-    lowering = PointwiseSubgraphLowering(graph_module, root_graph_lowering=V.graph)
+    lowering = PointwiseSubgraphLowering(
+        graph_module, root_graph_lowering=V.graph, additional_lowerings={aten.sum.dim_IntList: _unrolled_sum}
+    )
     with V.set_graph_handler(lowering):
         lowering.run(score, *captured)
     outputs = lowering.graph_outputs
@@ -371,6 +436,15 @@ def _lower_score_chain(
 
 @register_lowering(torch.ops.flashlight.online_softmax_attention.default, type_promotion_kind=None)
 def online_softmax_attention_lowering(q, kt, v, captured, sink, chain_id, group_coefficients=None):
+    return _lower_attention(q, kt, v, captured, sink, chain_id, group_coefficients=group_coefficients)
+
+
+@register_lowering(torch.ops.flashlight.online_softmax_attention_with_pair_sum.default, type_promotion_kind=None)
+def online_softmax_attention_with_pair_sum_lowering(q, kt, v, captured, sink, chain_id, pair_values):
+    return _lower_attention(q, kt, v, captured, sink, chain_id, pair_values=pair_values)
+
+
+def _lower_attention(q, kt, v, captured, sink, chain_id, group_coefficients=None, pair_values=None):
     chain = SCORE_CHAINS[chain_id]
     device = q.get_device()
     for tensor in captured:
@@ -385,36 +459,43 @@ def online_softmax_attention_lowering(q, kt, v, captured, sink, chain_id, group_
     subgraphs = [_lower_score_chain(module, chain.score_dtype, score_size, device, list(captured)) for module in chains]
     # Realised as they are: the kernel reads any strides (no stride-1 copy, unlike ``realize_inputs``).
     operands = [ir.ExternKernel.realize_input(t) for t in (q, kt, v, sink) if t is not None]
+    ranks = tuple(len(t.get_size()) - 2 for t in operands)
     groups = 1
     if group_coefficients is not None:
         groups = int(group_coefficients.get_size()[0])
         z = z // groups
         operands.append(ir.ExternKernel.realize_input(group_coefficients))
+    channels, pair_out, pair_rank = 0, None, None
+    if pair_values is not None:
+        channels = V.graph.sizevars.guard_int(pair_values.get_size()[-1])
+        pair_rank = len(pair_values.get_size()) - 3
+        pair_out = empty_strided([z, m, channels], None, dtype=chain.pair_dtype, device=device)
+        operands += [ir.ExternKernel.realize_input(pair_values), pair_out]
     for tensor in operands:
         tensor.freeze_layout()
     q, kt, v = operands[:3]
     d, dv = V.graph.sizevars.guard_int(d), V.graph.sizevars.guard_int(dv)
     layout = ir.FixedLayout(device, v.get_dtype(), [z, m, dv], ir.FlexibleLayout.contiguous_strides([z, m, dv]))
     fp32_dot = v.get_dtype() == torch.float32
+    template_key = (
+        ranks, chain.masked_tile_code, chain.softmax, groups,
+        chain.visible_tile_code if chain.unmasked_graph_module is not None else None, pair_rank,
+    )
     choices: list[Any] = []
-    for config in kernel_configs(d, dv, device, groups):
-        template = online_softmax_attention_template(
-            tuple(len(t.get_size()) - 2 for t in operands[: 4 if sink is not None else 3]),
-            chain.masked_tile_code,
-            chain.softmax,
-            groups,
-            chain.visible_tile_code if chain.unmasked_graph_module is not None else None,
-        )
-        error = template.maybe_append_choice(
+    for config in kernel_configs(d, dv, device, groups, channels):
+        error = online_softmax_attention_template(*template_key).maybe_append_choice(
             choices,
             input_nodes=operands,
             layout=layout,
             subgraphs=subgraphs,
+            mutated_inputs=[pair_out] if pair_out is not None else None,
             call_sizes=[z, m, n],
             D=d,
             DV=dv,
             D_TILE=_tile(d),
             DV_TILE=_tile(dv),
+            C=channels,
+            C_TILE=_tile(channels) if channels else 0,
             LOG2E=LOG2E,
             SINK_SCALE=chain.sink_scale * LOG2E,
             GROUPS=groups,
@@ -428,4 +509,5 @@ def online_softmax_attention_lowering(q, kt, v, captured, sink, chain_id, group_
         )
         if error is not None:
             raise error
-    return autotune_select_algorithm("flashlight_attention", choices, [*operands, *captured], layout)
+    out = autotune_select_algorithm("flashlight_attention", choices, [*operands, *captured], layout)
+    return out if pair_out is None else (out, pair_out)
