@@ -34,6 +34,10 @@ linear_fusion_min_rows: int = 16384
 # (benchmarks/results/h100_2026-11-22_programs_grouped/).
 combine_head_groups_in_kernel: bool = os.environ.get("FLASHLIGHT_COMBINE_HEAD_GROUPS_IN_KERNEL", "0") == "1"
 
+# The block-skipping pre-pass tests 64 column tiles per step (vectors of tile bounds) instead of one: at long
+# sequences a one-tile-per-step scan costs as much as the visible tiles' work (sliding windows).
+vector_tile_scan: bool = os.environ.get("FLASHLIGHT_VECTOR_TILE_SCAN", "1") != "0"
+
 # A sum over at most this many elements of values that do not depend on the scores (IPA's squared distance
 # between query and key points) moves into the score chain, unrolled per tile element, instead of being
 # materialised as an M×N tensor the kernel reads.

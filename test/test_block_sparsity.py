@@ -77,9 +77,9 @@ def shifted_causal_with_empty_rows(q, k, v):
 @pytest.mark.parametrize(
     "fn,skip_test",
     [
-        (variants.causal_masked_fill, "masked = ((n_lo + (-1 * m_hi)) > 0)"),
-        (window, "masked = (((n_lo + (-1 * m_hi)) > 0) | ((-20 + m_lo + (-1 * n_hi)) >= 0))"),
-        (prefix_lm, "masked = (((n_lo + (-1 * m_hi)) > 0) & ((-10 + n_lo) >= 0))"),
+        (variants.causal_masked_fill, "masked = (((n_lo + (-1 * m_hi)) > 0)) | (n_lo >= N)"),
+        (window, "masked = ((((n_lo + (-1 * m_hi)) > 0) | ((-20 + m_lo + (-1 * n_hi)) >= 0))) | (n_lo >= N)"),
+        (prefix_lm, "masked = ((((n_lo + (-1 * m_hi)) > 0) & ((-10 + n_lo) >= 0))) | (n_lo >= N)"),
         (shifted_causal_with_empty_rows, "masked = "),
     ],
     ids=["causal", "sliding-window", "prefix-lm", "empty-rows"],
@@ -89,7 +89,7 @@ def test_position_masks_skip_tiles_and_stay_exact(fn, skip_test):
     with testing.cpu_triton():
         out, code = testing.compile_and_get_code(fn, q, k, v)
     kernel = "\n".join(testing.triton_kernels(code).values())
-    FileCheck().check("for scan_n in range(0, N, BLOCK_N)").check(skip_test).check("visible = ").run(kernel)
+    FileCheck().check("for scan_n in range(0, N, BLOCK_N * SCAN_TILES)").check(skip_test).check("visible = ").run(kernel)
     assert testing.column_tile_loops(kernel) == 3
     expected = fn(q.double(), k.double(), v.double())
     assert torch.equal(out.isnan(), expected.isnan())
@@ -114,7 +114,7 @@ def test_flag_off_visits_every_tile():
     FileCheck().check_not("for scan_n").run(code[0])
     with testing.cpu_triton(), config.patch(block_skipping=False):
         out, code = testing.compile_and_get_code(variants.causal_masked_fill, q, k, v, fresh_cache=True)
-    FileCheck().check("masked = (n_lo < 0)").check("visible = ").run(code[0])
+    FileCheck().check("masked = ((n_lo < 0)) | (n_lo >= N)").check("visible = ").run(code[0])
     testing.assert_close_to_reference(out, variants.causal_masked_fill(q.double(), k.double(), v.double()))
 
 

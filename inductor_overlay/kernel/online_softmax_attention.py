@@ -32,6 +32,7 @@ from torch._inductor.virtualized import V
 from torch._inductor.virtualized import ops
 from torch.utils._sympy.functions import ModularIndexing
 
+from inductor_overlay import config as overlay_config
 from inductor_overlay.ops import SCORE_CHAINS
 
 # Dimension elimination keeps a whole head dim in one tile; above this a tile would not fit in registers.
@@ -218,28 +219,29 @@ def _batch_offset(name: str, rank: int) -> str:
 
 ALL_TILES = "first_n, end_n = 0, N"
 
-# Block skipping: a scalar pre-pass over the column tiles finds the first and last one the position mask leaves
-# visible; the main loop runs over that range only.
+# Block skipping: a pre-pass over the column tiles finds the first and last one the position mask leaves
+# visible; the main loop runs over that range only. The pre-pass tests SCAN_TILES tiles at once (vectors of tile
+# bounds), so at long sequences it costs a few vector steps, not one scalar step per tile.
 VISIBLE_TILES = """# Block skipping: tiles whose every element the position mask sets to -inf contribute nothing; visit only
     # the range between the first and the last tile that is not entirely masked.
     m_lo = start_m
     m_hi = tl.minimum(start_m + BLOCK_M, M) - 1
     first_n = tl.zeros([], tl.int32) + N
     end_n = tl.zeros([], tl.int32)
-    for scan_n in range(0, N, BLOCK_N):
-        n_lo = scan_n
-        n_hi = tl.minimum(scan_n + BLOCK_N, N) - 1
-        masked = FULLY_MASKED
-        first_n = tl.where(masked, first_n, tl.minimum(first_n, scan_n))
-        end_n = tl.where(masked, end_n, scan_n + BLOCK_N)"""
+    for scan_n in range(0, N, BLOCK_N * SCAN_TILES):
+        n_lo = scan_n + tl.arange(0, SCAN_TILES) * BLOCK_N  # SCAN_TILES tiles' column ranges [n_lo, n_hi]
+        n_hi = tl.minimum(n_lo + BLOCK_N, N) - 1
+        masked = (FULLY_MASKED) | (n_lo >= N)
+        first_n = tl.minimum(first_n, tl.min(tl.where(masked, N, n_lo), 0))
+        end_n = tl.maximum(end_n, tl.max(tl.where(masked, 0, n_lo + BLOCK_N), 0))"""
 
 # With a visible-tile test the pre-pass also finds the entirely visible tiles; they get a loop of their own when
 # they are contiguous (causal, windows, prefix-LM), otherwise the range is empty and every tile runs the whole chain.
 VISIBLE_RANGE = """
         visible = ~masked & (FULLY_VISIBLE)
-        full_lo = tl.where(visible, tl.minimum(full_lo, scan_n), full_lo)
-        full_hi = tl.where(visible, scan_n + BLOCK_N, full_hi)
-        full_count += visible.to(tl.int32)
+        full_lo = tl.minimum(full_lo, tl.min(tl.where(visible, n_lo, N), 0))
+        full_hi = tl.maximum(full_hi, tl.max(tl.where(visible, n_lo + BLOCK_N, 0), 0))
+        full_count += tl.sum(visible.to(tl.int32), 0)
     contiguous = (full_count > 0) & (full_count * BLOCK_N == full_hi - full_lo)
     full_lo = tl.where(contiguous, full_lo, first_n)
     full_hi = tl.where(contiguous, full_hi, first_n)"""
@@ -499,6 +501,7 @@ def _lower_attention(q, kt, v, captured, sink, chain_id, group_coefficients=None
             LOG2E=LOG2E,
             SINK_SCALE=chain.sink_scale * LOG2E,
             GROUPS=groups,
+            SCAN_TILES=64 if overlay_config.vector_tile_scan else 1,
             DOT_PRECISION="'tf32'" if fp32_dot and torch.backends.cuda.matmul.allow_tf32 else "'ieee'",
             # Triton's interpreter multiplies 16-bit dot operands wrongly; it gets exact float32 ones instead.
             UPCAST_DOT_OPERANDS=_interpreting(),
