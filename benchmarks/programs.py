@@ -200,7 +200,8 @@ PROGRAMS = {
         # A·V and Σ_j a_ij z_ij accumulate in one loop; the squared point distance is computed per tile element.
         Program("ipa_attention", ipa_attention, ipa_inputs, ipa_flops, kernels=1, dots=2,
                 cpu_size=dict(B=1, H=3, S=21, C=16, P=4, Cz=8),
-                gpu_sizes=(dict(B=1, H=12, S=256, C=16, P=4, Cz=128), dict(B=1, H=12, S=768, C=16, P=4, Cz=32))),
+                # The second has more pair channels than pair_reduction_max_channels: upstream's path.
+                gpu_sizes=(dict(B=1, H=12, S=768, C=16, P=4, Cz=32), dict(B=1, H=12, S=256, C=16, P=4, Cz=128))),
         Program("attention_sinks", attention_sinks, sinks_inputs, causal_flops, kernels=1, dots=2,
                 cpu_size=dict(B=2, H=4, S=37, D=16),
                 gpu_sizes=(dict(B=4, H=32, S=4096, D=64), dict(B=8, H=16, S=2048, D=128))),

@@ -132,3 +132,20 @@ def test_pair_output_written_as_a_matmul_over_query_batches_is_not_fused_yet():
                   v=torch.randn(1, 2, 17, 8, generator=g), z=torch.randn(1, 17, 17, 3, generator=g))
     check_against_eager(openfold_pair_output, inputs)
     assert counters["inductor"]["flashlight_attention_fused"] == 0
+
+
+def test_pair_reduction_gets_one_tile_config_on_the_gpu():
+    """Autotuning among several pair-reduction configs faulted on the H100 (see PAIR_TILES): one config, sized by
+    the channels so the [BLOCK_M, BLOCK_N, C] tile stays near 128 registers per thread."""
+    from inductor_overlay.kernel.online_softmax_attention import kernel_configs
+
+    cuda = torch.device("cuda")
+    assert kernel_configs(16, 16, cuda, pair_channels=32) == [dict(BLOCK_M=32, BLOCK_N=16, num_warps=4, num_stages=2)]
+    assert kernel_configs(16, 16, cuda, pair_channels=64) == [dict(BLOCK_M=16, BLOCK_N=16, num_warps=8, num_stages=2)]
+    assert len(kernel_configs(64, 64, cuda)) == 3
+
+
+def test_more_pair_channels_than_the_limit_are_declined():
+    inputs = programs.ipa_inputs(B=1, H=2, S=17, C=8, P=2, Cz=config.pair_reduction_max_channels + 1)
+    check_against_eager(programs.ipa_attention, inputs)
+    assert counters["inductor"]["flashlight_attention_fused"] == 0

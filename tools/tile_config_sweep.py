@@ -3,7 +3,9 @@
     PYTHONPATH=. python tools/tile_config_sweep.py causal,alibi 4x32x4096x64 > sweep.txt
 """
 
+import contextlib
 import sys
+from typing import Iterator
 
 import torch
 import triton
@@ -22,23 +24,31 @@ CANDIDATES = {
 }
 
 
-def time_with_config(fn, config: tuple[int, int, int, int], *args, **kwargs) -> float:
-    """Median ms of ``torch.compile(fn)`` whose fused kernel may use only ``config`` (BLOCK_M, BLOCK_N, warps,
-    stages); NaN if that config does not compile."""
+@contextlib.contextmanager
+def only_config(config: tuple[int, int, int, int]) -> Iterator[None]:
+    """Compilations inside may give the fused kernel only ``config`` (BLOCK_M, BLOCK_N, warps, stages), from a fresh
+    cache (the config is not part of Inductor's cache key)."""
     m, n, warps, stages = config
     original = kernel.kernel_configs
     kernel.kernel_configs = lambda *_: [dict(BLOCK_M=m, BLOCK_N=n, num_warps=warps, num_stages=stages)]
     torch._dynamo.reset()
     try:
-        with fresh_cache():  # the config is not part of Inductor's cache key
+        with fresh_cache():
+            yield
+    finally:
+        kernel.kernel_configs = original
+
+
+def time_with_config(fn, config: tuple[int, int, int, int], *args, **kwargs) -> float:
+    """Median ms of ``torch.compile(fn)`` whose fused kernel may use only ``config``; NaN if it does not compile."""
+    try:
+        with only_config(config):
             compiled = torch.compile(fn)
             compiled(*args, **kwargs)
         return triton.testing.do_bench(lambda: compiled(*args, **kwargs), warmup=25, rep=100, return_mode="median")
     except Exception as err:  # a config that does not compile is a row, not a dead sweep
         print(f"  failed: {type(err).__name__}", flush=True)
         return float("nan")
-    finally:
-        kernel.kernel_configs = original
 
 
 def main() -> None:

@@ -25,6 +25,11 @@ Two more forms fuse into the same loop. Attention sinks: ``softmax(cat([x, s], -
 ``l = 1`` (a shift ``x - max_N x`` written before a softmax is dropped: a softmax is invariant to it). No softmax
 at all (sigmoid attention, ``(A·B)·C``): the chain's output meets V directly, with no running state; this only
 saves the M×N round trip, so it is subject to a profitability rule (``_match_linear``).
+
+Two relaxations serve IPA-style attention. A small sum off the score path (a squared distance between query and
+key points, ``_is_small_reduction``) moves into the chain and is unrolled per tile element by the lowering. Rule 4
+admits one more use of the probabilities, ``sum_N(p.unsqueeze(-1) * y, -2)``: it is linear in p like P·V, so it
+accumulates in the same loop and becomes the fused node's second output (``PairReduction``).
 """
 
 from __future__ import annotations
