@@ -32,7 +32,10 @@ def parse_shape(text: str) -> Shape:
     return Shape(B=b, H=h, M=s, N=s, D=d)
 
 
-def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+def relative_error(out: Any, ref: Any) -> float:
+    """Norm-wise relative error; for a program with several outputs (IPA), the largest."""
+    if isinstance(out, tuple):
+        return max(relative_error(o, r) for o, r in zip(out, ref, strict=True))
     out, ref = out.double(), ref.double()
     if out.shape != ref.shape:
         return float("inf")

@@ -81,12 +81,6 @@ def _reference(program: Program, inputs: dict[str, Any]) -> torch.Tensor:
                       for i in range(0, q.shape[1], 2)], dim=1)
 
 
-def _worst_error(out: Any, ref: Any) -> float:
-    """The largest relative error over a program's outputs (IPA returns two)."""
-    pairs = zip(out, ref, strict=True) if isinstance(out, tuple) else [(out, ref)]
-    return max(relative_error(o, r) for o, r in pairs)
-
-
 def _time(run: Callable[[], Any]) -> float:
     import triton
 
@@ -120,7 +114,7 @@ def bench_program(program: Program, size: dict, impls: list[str], stamp: dict, l
             else:
                 run = fn
                 out = run(**inputs)
-            err = _worst_error(out, ref)
+            err = relative_error(out, ref)
             ms = _time(lambda: run(**inputs))
             fused = counters["inductor"]["flashlight_attention_fused"]
             note = f"fallback={counters['inductor']['flashlight_fault_fallback']}"

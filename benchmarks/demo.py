@@ -16,6 +16,7 @@ import time
 import torch
 
 import flashlight
+from benchmarks.bench_attention import relative_error
 from benchmarks.programs import PROGRAMS
 from benchmarks.variants import VARIANTS, Shape, make_inputs
 from flashlight import testing
@@ -28,13 +29,6 @@ def _reference(fn, dtype: torch.dtype, *args, **kwargs):
         return t.to(dtype) if t.is_floating_point() else t
 
     return fn(*map(up, args), **{name: up(t) for name, t in kwargs.items()})
-
-
-def _relative_error(out, ref) -> float:
-    """The largest relative error over the outputs (a program may return several)."""
-    if isinstance(out, tuple):
-        return max(_relative_error(o, r) for o, r in zip(out, ref, strict=True))
-    return float((out.double() - ref).norm() / ref.norm())
 
 
 def _compile(fn, gpu: bool, *args, **kwargs) -> tuple[torch.Tensor, int, int]:
@@ -80,7 +74,7 @@ def run(shape: Shape, dtype: torch.dtype, gpu: bool) -> list[tuple[str, bool, in
         fn = variant.reference
         q, k, v, extras = make_inputs(variant, shape, device="cuda" if gpu else "cpu", dtype=dtype)
         out, fused_count, kernels = _compile(fn, gpu, q, k, v, **extras)
-        fused, error = fused_count == 1, _relative_error(out, _reference(fn, torch.float64, q, k, v, **extras))
+        fused, error = fused_count == 1, relative_error(out, _reference(fn, torch.float64, q, k, v, **extras))
         results.append((variant.name, fused, kernels, error))
         line = f"{variant.name:20} {'yes' if fused else 'NO':>6} {kernels:>7} {error:>9.1e}"
         print(line + (_timings(fn, q, k, v, **extras) if gpu else ""), flush=True)
@@ -99,7 +93,7 @@ def run_programs(gpu: bool) -> list[tuple[str, bool, int, float]]:
         size = program.gpu_sizes[0] if gpu else program.cpu_size
         inputs = program.inputs(**size, device="cuda" if gpu else "cpu", dtype=dtype)
         out, fused_count, kernels = _compile(program.fn, gpu, **inputs)
-        fused, error = fused_count >= 1, _relative_error(out, _reference(program.fn, reference_dtype, **inputs))
+        fused, error = fused_count >= 1, relative_error(out, _reference(program.fn, reference_dtype, **inputs))
         results.append((program.name, fused, kernels, error))
         line = f"{program.name:30} {'yes' if fused else 'NO':>6} {kernels:>7} {program.kernels:>8} {error:>9.1e}"
         print(line + (_timings(program.fn, **inputs) if gpu else ""), flush=True)

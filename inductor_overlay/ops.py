@@ -75,15 +75,21 @@ def _probabilities(chain: ScoreChain, q, kt, v, captured, sink) -> torch.Tensor:
     return torch.softmax(torch.cat([logits, sink_logits], -1), dim=-1)[..., :n].to(chain.probability_dtype)
 
 
+def _times_values(chain: ScoreChain, probabilities: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """``[Z, M, Dv]``: the probabilities times V, batch entries flattened."""
+    z, (m, n), dv = math.prod(chain.batch_shape), probabilities.shape[-2:], v.shape[-1]
+    return torch.bmm(probabilities.reshape(z, m, n), v.reshape(z, n, dv))
+
+
 @torch.library.impl(_library, "online_softmax_attention", "CompositeExplicitAutograd")
 def online_softmax_attention_eager(q, kt, v, captured, sink, chain_id, group_coefficients=None):
     chain = SCORE_CHAINS[chain_id]
     probabilities = _probabilities(chain, q, kt, v, captured, sink)
-    z, (m, n), dv = math.prod(chain.batch_shape), probabilities.shape[-2:], v.shape[-1]
-    out = torch.bmm(probabilities.reshape(z, m, n), v.reshape(z, n, dv))
+    out = _times_values(chain, probabilities, v)
     if group_coefficients is None:
         return out
     groups = group_coefficients.numel()
+    z, m, dv = out.shape
     weighted = out.view(z // groups, groups, m, dv).float() * group_coefficients.float().view(1, groups, 1, 1)
     return weighted.sum(1).to(out.dtype)
 
@@ -93,10 +99,9 @@ def online_softmax_attention_with_pair_sum_eager(q, kt, v, captured, sink, chain
     """Also ``Σ_N p[..., m, n] · pair_values[..., m, n, c]``, as ``[Z, M, C]``."""
     chain = SCORE_CHAINS[chain_id]
     probabilities = _probabilities(chain, q, kt, v, captured, sink)
-    z, (m, n), dv = math.prod(chain.batch_shape), probabilities.shape[-2:], v.shape[-1]
-    out = torch.bmm(probabilities.reshape(z, m, n), v.reshape(z, n, dv))
+    out = _times_values(chain, probabilities, v)
     pair = (probabilities.unsqueeze(-1).to(chain.pair_dtype) * pair_values).sum(-2)
-    return out, pair.reshape(z, m, pair_values.shape[-1])
+    return out, pair.reshape(out.shape[0], out.shape[1], pair_values.shape[-1])
 
 
 @torch.library.register_fake("flashlight::online_softmax_attention")

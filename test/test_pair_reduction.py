@@ -8,17 +8,9 @@ from torch.testing import FileCheck
 from benchmarks import programs
 from flashlight import testing
 from inductor_overlay import config
+from test.test_programs import compile_on_cpu, float64
 
 counters = torch._dynamo.utils.counters
-
-
-def float64(inputs):
-    return {name: t.double() if t.is_floating_point() else t for name, t in inputs.items()}
-
-
-def compile_on_cpu(fn, inputs, **overlay_config):
-    with testing.cpu_triton(), config.patch(sdpa_pattern_policy="flashlight", **overlay_config):
-        return testing.compile_and_get_code(fn, **inputs)
 
 
 def check_against_eager(fn, inputs):

@@ -15,16 +15,12 @@ import torch
 import triton
 
 import flashlight
+from benchmarks.bench_attention import relative_error
 from benchmarks.programs import PROGRAMS
 from tools.tile_config_sweep import only_config
 
 CANDIDATES = [(128, 64, 8, 3), (128, 64, 8, 2), (128, 32, 8, 2), (128, 128, 8, 2), (64, 64, 4, 3), (64, 64, 4, 2),
               (64, 32, 4, 2), (128, 64, 4, 3), (128, 128, 4, 3), (64, 128, 4, 3), (128, 32, 4, 3), (64, 64, 8, 3)]
-
-
-def _error(out, ref) -> float:
-    pairs = zip(out, ref) if isinstance(out, tuple) else [(out, ref)]
-    return max(float((o.double() - r.double()).norm() / r.double().norm()) for o, r in pairs)
 
 
 def sweep_one(program, index: int, config: tuple[int, int, int, int]) -> None:
@@ -34,7 +30,7 @@ def sweep_one(program, index: int, config: tuple[int, int, int, int]) -> None:
         compiled = torch.compile(program.fn)
         out = compiled(**inputs)
     ref = program.fn(**{k: t.float() if t.is_floating_point() else t for k, t in inputs.items()})
-    error = _error(out, ref)
+    error = relative_error(out, ref)
     ms = triton.testing.do_bench(lambda: compiled(**inputs), warmup=25, rep=100, return_mode="median")
     m, n, warps, stages = config
     print(f"{program.name} {size} BLOCK_M={m:3} BLOCK_N={n:3} warps={warps} stages={stages}  {ms:.4f} ms "

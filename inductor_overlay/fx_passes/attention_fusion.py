@@ -314,9 +314,7 @@ def _materialise(graph: torch.fx.Graph, source: BatchSource) -> torch.fx.Node:
     node = _replay_views_without_scale(graph, source.node, scaling) if scaling is not None else source.node
     if source.transposed:
         rank = _val(node).dim()
-        swapped = graph.call_function(aten.permute.default, (node, [*range(rank - 2), rank - 1, rank - 2]))
-        swapped.meta["val"] = _val(node).transpose(-2, -1)
-        node = swapped
+        node = call_op(graph, aten.permute.default, (node, [*range(rank - 2), rank - 1, rank - 2]))
     return node
 
 
@@ -344,9 +342,7 @@ def _replay_views_without_scale(graph: torch.fx.Graph, operand: torch.fx.Node, s
         node = node.args[0]
     replayed = scaling.args[0]
     for view in reversed(views):
-        new = graph.call_function(view.target, (replayed, *view.args[1:]), dict(view.kwargs))
-        new.meta["val"] = view.target(_val(replayed), *view.args[1:], **view.kwargs)
-        replayed = new
+        replayed = call_op(graph, view.target, (replayed, *view.args[1:]), dict(view.kwargs))
     return replayed
 
 
@@ -605,14 +601,14 @@ def _worth_a_visible_loop(unmasked: torch.fx.GraphModule, region: AttentionRegio
     return scaling_only and _val(region.q.node).shape[-1 if not region.q.transposed else -2] <= 64
 
 
-def _call_op(graph: torch.fx.Graph, target: Any, args: tuple) -> torch.fx.Node:
+def call_op(graph: torch.fx.Graph, target: Any, args: tuple, kwargs: Optional[dict] = None) -> torch.fx.Node:
     """A new node with its fake value (computed under the graph's fake mode)."""
-    node = graph.call_function(target, args)
-    values = torch.fx.node.map_arg(args, lambda arg: arg.meta.get("val"))
+    kwargs = kwargs or {}
+    node = graph.call_function(target, args, kwargs)
+    values, named = torch.fx.node.map_arg((args, kwargs), lambda arg: arg.meta.get("val"))
     tensors = [v for v in torch.utils._pytree.tree_leaves(values) if isinstance(v, torch.Tensor)]
-    fake_mode = torch._guards.detect_fake_mode(tensors)
-    with fake_mode or contextlib.nullcontext():
-        node.meta["val"] = target(*values)
+    with torch._guards.detect_fake_mode(tensors) or contextlib.nullcontext():
+        node.meta["val"] = target(*values, **named)
     return node
 
 
@@ -620,7 +616,7 @@ def _broadcast(graph: torch.fx.Graph, node: torch.fx.Node, shape: list) -> torch
     """``node`` expanded to ``shape`` (a view: broadcast dims are read with stride 0)."""
     if tuple(_val(node).shape) == tuple(shape):
         return node
-    return _call_op(graph, aten.expand.default, (node, shape))
+    return call_op(graph, aten.expand.default, (node, shape))
 
 
 def _hoist_before(node: torch.fx.Node, anchor: torch.fx.Node) -> None:
@@ -670,19 +666,16 @@ def fuse(region: AttentionRegion, group_coefficients: Optional[torch.fx.Node] = 
         sink = _broadcast(graph, region.sink, [*score_shape[:-1], 1]) if region.sink is not None else None
         inputs = (q, kt, v, list(region.captured), sink, chain_id)
         if region.pair is None:
-            fused = _call_op(graph, torch.ops.flashlight.online_softmax_attention.default, (*inputs, group_coefficients))
+            fused = call_op(graph, torch.ops.flashlight.online_softmax_attention.default, (*inputs, group_coefficients))
         else:
             assert group_coefficients is None, "head groups do not combine a pair reduction"
             pair_shape = [*score_shape, _val(region.pair.result).shape[-1]]
             values = _broadcast(graph, region.pair.values, pair_shape)
-            both = _call_op(graph, torch.ops.flashlight.online_softmax_attention_with_pair_sum.default, (*inputs, values))
-            fused, pair_sum = (_call_op(graph, operator.getitem, (both, i)) for i in (0, 1))
-            pair_result = _call_op(graph, aten.view.default, (pair_sum, list(_val(region.pair.result).shape)))
+            both = call_op(graph, torch.ops.flashlight.online_softmax_attention_with_pair_sum.default, (*inputs, values))
+            fused, pair_sum = (call_op(graph, operator.getitem, (both, i)) for i in (0, 1))
+            pair_result = call_op(graph, aten.view.default, (pair_sum, list(_val(region.pair.result).shape)))
             region.pair.result.replace_all_uses_with(pair_result)
-        result = fused
-        if _val(region.pv).dim() == 2:
-            result = graph.call_function(aten.squeeze.dim, (fused, 0))
-            result.meta["val"] = fused.meta["val"].squeeze(0)
+        result = call_op(graph, aten.squeeze.dim, (fused, 0)) if _val(region.pv).dim() == 2 else fused
     region.pv.replace_all_uses_with(result)
     return result
 

@@ -14,7 +14,6 @@ otherwise the graph is left as it was.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 from typing import Any, Optional
 
@@ -24,6 +23,7 @@ from torch.fx.node import map_arg
 
 from inductor_overlay import config
 from inductor_overlay.fx_passes.attention_fusion import (
+    call_op,
     Decline,
     _batch_source,
     _depends_on,
@@ -111,13 +111,10 @@ class _Builder:
 
     def __init__(self, anchor: torch.fx.Node) -> None:
         self.graph, self.anchor, self.added = anchor.graph, anchor, []
-        self.fake_mode = torch._guards.detect_fake_mode([_val(n) for n in anchor.all_input_nodes])
 
     def call(self, target: Any, *args: Any, **kwargs: Any) -> torch.fx.Node:
         with self.graph.inserting_before(self.anchor):
-            node = self.graph.call_function(target, args, kwargs)
-        with self.fake_mode or contextlib.nullcontext():
-            node.meta["val"] = target(*map_arg(args, _val), **map_arg(kwargs, _val))
+            node = call_op(self.graph, target, args, kwargs)
         self.added.append(node)
         return node
 
@@ -173,6 +170,8 @@ def distribute_over_heads(pv: torch.fx.Node) -> Optional[Decline]:
     flat_heads = build.call(aten.reshape.default, heads, [-1, m, n])
     out = build.call(aten.bmm.default, flat_heads, build.call(aten.reshape.default, shared, [-1, n, dv]))
     region = find_attention(out, dead=frozenset([*found.selects, *found.ops, *views, pv]))
+    if not isinstance(region, Decline) and region.pair is not None:
+        region = Decline("the combined heads' probabilities are also reduced against a per-pair tensor")
     if isinstance(region, Decline):
         build.take_back()
         return region
