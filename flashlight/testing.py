@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import sys
 from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
@@ -176,7 +177,25 @@ def cpu_triton() -> Iterator[None]:
             mock.patch.object(guards, "_empty_strided_cpu", _poisoned_allocator(guards._empty_strided_cpu))
         )
         stack.enter_context(inductor_config.patch(cpu_backend="triton", compile_threads=1))
+        stack.enter_context(_gpu_dependency_matching())
         yield
+
+
+def _gpu_dependency_matching() -> contextlib.AbstractContextManager:
+    """CPU scheduler nodes keep their loops unmerged, as GPU nodes do under Inductor's loop ordering after fusion
+    (``SchedulerNode._compute_attrs`` normalises dependencies only off the GPU). Fusion then matches an epilogue's
+    reads to its producer's writes as it does on the GPU: a kernel that fuses here fuses there."""
+    from unittest import mock
+
+    from torch._inductor import scheduler
+
+    real_is_gpu = scheduler.is_gpu
+
+    def is_gpu(device_type: str) -> bool:
+        computing_dependencies = sys._getframe(1).f_code.co_name == "_compute_attrs"
+        return real_is_gpu(device_type) or (device_type == "cpu" and computing_dependencies)
+
+    return mock.patch.object(scheduler, "is_gpu", is_gpu)
 
 
 def compile_and_get_code(

@@ -8,8 +8,11 @@ chain registered with ``softmax=False`` meets V directly: ``out[z] = chain(q[z] 
 ``Σ_N p[z, m, n] · pair_values[z, m, n, :]`` (IPA). ``chain`` is kept (a GraphModule kept in
 :data:`SCORE_CHAINS`, keyed by the op's ``chain_id``). Each operand keeps the
 batch dims it had before the matmul flattened them (q ``[*bq, M, D]``, kt ``[*bk, D, N]``, v ``[*bv, N, Dv]``, each
-batch flattening row-major to the same Z entries); the output is ``[Z, M, Dv]``, as the matmul's was. The chain
-sees scores shaped ``[*batch, M, N]`` with ``prod(batch) == Z``, exactly as in the user's graph.
+batch flattening row-major to the same Z entries). The chain sees scores shaped ``[*batch, M, N]`` with
+``prod(batch) == Z``, exactly as in the user's graph. The output is ``[*output_batch, M, Dv]``, contiguous: with
+``output_batch`` None it is ``[Z, M, Dv]``, as the matmul's was; given the scores' own batch dims it is the tensor
+the user's graph views the matmul's output as, so that a consumer reading it through that view indexes it exactly
+as the kernel writes it (on the GPU Inductor matches an epilogue to its producer by those indices).
 """
 
 from __future__ import annotations
@@ -38,6 +41,9 @@ class ScoreChain:
     visible_tile_code: Optional[str] = None
     sink_scale: float = 1.0  # the softmax's logit scale, applied to the sink logit as to the others
     pair_dtype: Optional[torch.dtype] = None  # dtype of the pair reduction's result, when there is one
+    # (scores, *captured) -> per-row ids and -> per-column ids, each broadcast to the score shape, of a mask that
+    # keeps a logit only where the two are equal (document masking): the kernel skips tiles whose ids are disjoint.
+    id_graph_modules: Optional[tuple[torch.fx.GraphModule, torch.fx.GraphModule]] = None
 
 
 SCORE_CHAINS: dict[int, ScoreChain] = {}
@@ -53,12 +59,18 @@ def register_score_chain(chain: ScoreChain) -> int:
 _library = torch.library.Library("flashlight", "DEF")
 _library.define(
     "online_softmax_attention(Tensor q, Tensor kt, Tensor v, Tensor[] captured, Tensor? sink, int chain_id, "
-    "Tensor? group_coefficients=None) -> Tensor"
+    "Tensor? group_coefficients=None, int[]? output_batch=None) -> Tensor"
 )
 _library.define(
     "online_softmax_attention_with_pair_sum(Tensor q, Tensor kt, Tensor v, Tensor[] captured, Tensor? sink, "
-    "int chain_id, Tensor pair_values) -> (Tensor, Tensor)"
+    "int chain_id, Tensor pair_values, int[]? output_batch=None) -> (Tensor, Tensor)"
 )
+
+
+def output_shape(chain: ScoreChain, m, dv, groups: int = 1, output_batch=None) -> list:
+    """``[*output_batch, M, Dv]``, or ``[Z / groups, M, Dv]`` without ``output_batch``."""
+    batch = list(output_batch) if output_batch is not None else [math.prod(chain.batch_shape) // groups]
+    return [*batch, m, dv]
 
 
 def _probabilities(chain: ScoreChain, q, kt, v, captured, sink) -> torch.Tensor:
@@ -82,38 +94,38 @@ def _times_values(chain: ScoreChain, probabilities: torch.Tensor, v: torch.Tenso
 
 
 @torch.library.impl(_library, "online_softmax_attention", "CompositeExplicitAutograd")
-def online_softmax_attention_eager(q, kt, v, captured, sink, chain_id, group_coefficients=None):
+def online_softmax_attention_eager(q, kt, v, captured, sink, chain_id, group_coefficients=None, output_batch=None):
     chain = SCORE_CHAINS[chain_id]
     probabilities = _probabilities(chain, q, kt, v, captured, sink)
     out = _times_values(chain, probabilities, v)
-    if group_coefficients is None:
-        return out
-    groups = group_coefficients.numel()
     z, m, dv = out.shape
+    if group_coefficients is None:
+        return out.view(output_shape(chain, m, dv, 1, output_batch))
+    groups = group_coefficients.numel()
     weighted = out.view(z // groups, groups, m, dv).float() * group_coefficients.float().view(1, groups, 1, 1)
-    return weighted.sum(1).to(out.dtype)
+    return weighted.sum(1).to(out.dtype).view(output_shape(chain, m, dv, groups, output_batch))
 
 
 @torch.library.impl(_library, "online_softmax_attention_with_pair_sum", "CompositeExplicitAutograd")
-def online_softmax_attention_with_pair_sum_eager(q, kt, v, captured, sink, chain_id, pair_values):
+def online_softmax_attention_with_pair_sum_eager(q, kt, v, captured, sink, chain_id, pair_values, output_batch=None):
     """Also ``Σ_N p[..., m, n] · pair_values[..., m, n, c]``, as ``[Z, M, C]``."""
     chain = SCORE_CHAINS[chain_id]
     probabilities = _probabilities(chain, q, kt, v, captured, sink)
     out = _times_values(chain, probabilities, v)
+    z, m, dv = out.shape
     pair = (probabilities.unsqueeze(-1).to(chain.pair_dtype) * pair_values).sum(-2)
-    return out, pair.reshape(out.shape[0], out.shape[1], pair_values.shape[-1])
+    return out.view(output_shape(chain, m, dv, 1, output_batch)), pair.reshape(z, m, pair_values.shape[-1])
 
 
 @torch.library.register_fake("flashlight::online_softmax_attention")
-def online_softmax_attention_fake(q, kt, v, captured, sink, chain_id, group_coefficients=None):
-    z = math.prod(SCORE_CHAINS[chain_id].batch_shape)
-    if group_coefficients is not None:
-        z = z // group_coefficients.numel()
-    return q.new_empty(z, q.shape[-2], v.shape[-1], dtype=v.dtype)
+def online_softmax_attention_fake(q, kt, v, captured, sink, chain_id, group_coefficients=None, output_batch=None):
+    groups = 1 if group_coefficients is None else group_coefficients.numel()
+    return q.new_empty(output_shape(SCORE_CHAINS[chain_id], q.shape[-2], v.shape[-1], groups, output_batch), dtype=v.dtype)
 
 
 @torch.library.register_fake("flashlight::online_softmax_attention_with_pair_sum")
-def online_softmax_attention_with_pair_sum_fake(q, kt, v, captured, sink, chain_id, pair_values):
+def online_softmax_attention_with_pair_sum_fake(q, kt, v, captured, sink, chain_id, pair_values, output_batch=None):
     chain = SCORE_CHAINS[chain_id]
     z, m = math.prod(chain.batch_shape), q.shape[-2]
-    return q.new_empty(z, m, v.shape[-1], dtype=v.dtype), q.new_empty(z, m, pair_values.shape[-1], dtype=chain.pair_dtype)
+    out = q.new_empty(output_shape(chain, m, v.shape[-1], 1, output_batch), dtype=v.dtype)
+    return out, q.new_empty(z, m, pair_values.shape[-1], dtype=chain.pair_dtype)

@@ -140,3 +140,70 @@ def test_split_flag_off_keeps_one_loop():
     kernel = "\n".join(testing.triton_kernels(code).values())
     FileCheck().check("for start_n in range(first_n, end_n, BLOCK_N)").check_not("full_lo").run(kernel)
     testing.assert_close_to_reference(out, variants.causal_masked_fill(q.double(), k.double(), v.double()))
+
+
+def ids_equal(q, k, v, q_ids, k_ids):
+    same = q_ids[:, None, :, None] == k_ids[:, None, None, :]
+    return torch.softmax((q @ k.transpose(-2, -1) * 0.25).masked_fill(~same, float("-inf")), dim=-1) @ v
+
+
+def ids_equal_where_kept(q, k, v, q_ids, k_ids):
+    same = q_ids[:, None, :, None] == k_ids[:, None, None, :]
+    return torch.softmax(torch.where(same, q @ k.transpose(-2, -1), float("-inf")), dim=-1) @ v
+
+
+def causal_within_documents(q, k, v, q_ids, k_ids):
+    rows, cols = torch.arange(q.shape[-2])[:, None], torch.arange(k.shape[-2])[None, :]
+    keep = (q_ids[:, None, :, None] == k_ids[:, None, None, :]) & (cols <= rows)
+    return torch.softmax((q @ k.transpose(-2, -1)).masked_fill(~keep, float("-inf")), dim=-1) @ v
+
+
+def _sorted_ids(batch, length, documents):
+    boundaries = torch.sort(torch.randint(1, length, (batch, documents - 1))).values
+    return (torch.arange(length)[None, :, None] >= boundaries[:, None, :]).sum(-1)
+
+
+@pytest.mark.parametrize("fn", [ids_equal, ids_equal_where_kept, causal_within_documents])
+@pytest.mark.parametrize("ordering", ["sorted", "shuffled"])
+def test_document_ids_get_a_run_time_tile_summary(fn, ordering):
+    """Ids read from memory cannot be bounded by a formula: the pre-pass reads them (the row tile's range, each
+    column tile's range) and skips column tiles with none of the rows' ids. Exact for any ids, sorted or not, with
+    NaN rows where a row keeps nothing, as in eager."""
+    q, k, v = (torch.randn(2, 2, 70, 16) for _ in range(3))
+    ids = _sorted_ids(2, 70, 4)
+    if ordering == "shuffled":
+        ids = ids[:, torch.randperm(70)]
+    k_ids = ids.clone()
+    k_ids[1, :5] = 9  # keys no query has: rows never keep them
+    with testing.cpu_triton():
+        out, code = testing.compile_and_get_code(fn, q, k, v, ids, k_ids)
+    kernel = "\n".join(testing.triton_kernels(code).values())
+    FileCheck().check("row_id_lo = tl.min(row_ids)").check("for scan_n in range(").check("col_ids = ").check(
+        "ids_disjoint = (tl.max(col_ids, 1) < row_id_lo) | (tl.min(col_ids, 1) > row_id_hi)"
+    ).check("| ids_disjoint | (n_lo >= N)").check("for start_n in range(first_n, ").run(kernel)
+    expected = fn(q.double(), k.double(), v.double(), ids, k_ids)
+    assert torch.equal(out.isnan(), expected.isnan())
+    testing.assert_close_to_reference(out, expected)
+
+
+def test_tiles_of_ids_no_row_has_are_never_read():
+    """Keys whose id no query row has sit in tiles the pre-pass skips: poisoned values there (NaN, which any
+    visit would spread through P·V, even with P = 0) never reach the output."""
+    q, k, v = (torch.randn(1, 2, 64, 16) for _ in range(3))
+    q_ids = torch.zeros(1, 64, dtype=torch.long)
+    k_ids = (torch.arange(64) >= 32).long()[None, :]  # keys 32.. (column tiles 2 and 3 at BLOCK_N 16): no row has id 1
+    poisoned = v.clone()
+    poisoned[:, :, 32:] = float("nan")
+    with testing.cpu_triton():
+        out, _ = testing.compile_and_get_code(ids_equal, q, k, poisoned, q_ids, k_ids)
+    testing.assert_close_to_reference(out, ids_equal(q.double(), k.double(), v.double(), q_ids, k_ids))
+
+
+def test_float_ids_are_not_summarised():
+    """Only integer ids get the summary (a NaN id would defeat the interval test); float ids keep every tile."""
+    q, k, v = (torch.randn(1, 2, 40, 16) for _ in range(3))
+    ids = _sorted_ids(1, 40, 3).float()
+    with testing.cpu_triton():
+        out, code = testing.compile_and_get_code(ids_equal, q, k, v, ids, ids)
+    FileCheck().check_not("row_ids").run("\n".join(testing.triton_kernels(code).values()))
+    testing.assert_close_to_reference(out, ids_equal(q.double(), k.double(), v.double(), ids, ids))

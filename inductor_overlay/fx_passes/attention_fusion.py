@@ -49,7 +49,9 @@ from inductor_overlay.fx_passes.block_sparsity import (
     fully_masked_tile_code,
     fully_visible_tile_code,
     is_minus_inf,
+    matched_id_masks,
     position_masks,
+    skippable_positions,
 )
 from inductor_overlay.kernel.online_softmax_attention import MAX_HEAD_DIM
 from inductor_overlay.ops import ScoreChain, register_score_chain
@@ -589,6 +591,31 @@ def _score_chain_module(region: AttentionRegion, unmasked: frozenset = frozenset
     return torch.fx.GraphModule(torch.nn.Module(), graph)
 
 
+def _id_modules(region: AttentionRegion, score_shape: torch.Size) -> Optional[tuple[torch.fx.GraphModule, ...]]:
+    """The row ids and the column ids of the first id-equality mask in the chain (``matched_id_masks``), each as a
+    graph (scores, *captured) -> ids broadcast to the score shape, for the kernel to bound per tile; or None."""
+    pairs = matched_id_masks(region.chain, region.score_root)
+    known = set(region.chain) | set(region.captured)
+    if not pairs or not set(pairs[0]) <= known:
+        return None
+    return tuple(_chain_value_module(region, ids, list(score_shape)) for ids in pairs[0])
+
+
+def _chain_value_module(region: AttentionRegion, value: torch.fx.Node, shape: list) -> torch.fx.GraphModule:
+    """(scores, *captured) -> ``value`` (a node of the chain), expanded to ``shape``."""
+    graph = torch.fx.Graph()
+    env = {region.score_root: graph.placeholder("scores")}
+    for index, captured in enumerate(region.captured):
+        env[captured] = graph.placeholder(f"captured_{index}")
+    for node in region.chain:
+        env[node] = graph.node_copy(node, lambda arg: env[arg])
+        if node is value:
+            break
+    graph.output(graph.call_function(aten.expand.default, (env[value], shape)))
+    graph.eliminate_dead_code()
+    return torch.fx.GraphModule(torch.nn.Module(), graph)
+
+
 def _worth_a_visible_loop(unmasked: torch.fx.GraphModule, region: AttentionRegion) -> bool:
     """A loop of its own for entirely visible tiles pays where the mask is most of the per-element work: on the
     H100 it gave 6–15% at head dim 64 when the rest of the chain is only scaling (causal, prefix-LM, GQA), ~3% at
@@ -639,6 +666,7 @@ def fuse(region: AttentionRegion, group_coefficients: Optional[torch.fx.Node] = 
     graph = region.pv.graph
     score_shape = _val(region.score_root).shape
     formula, mask_nodes = position_masks(region.chain, len(score_shape)) if region.softmax else (None, [])
+    skippable = skippable_positions(region.chain, len(score_shape)) if region.softmax else None
     unmasked = _score_chain_module(region, frozenset(mask_nodes)) if mask_nodes and config.split_visible_tiles else None
     split = unmasked is not None and _worth_a_visible_loop(unmasked, region)
     visible_tile_code = fully_visible_tile_code(formula) if split else None
@@ -648,12 +676,13 @@ def fuse(region: AttentionRegion, group_coefficients: Optional[torch.fx.Node] = 
             batch_shape=tuple(score_shape[:-2]) or (1,),
             score_dtype=_val(region.qk).dtype,
             probability_dtype=region.probability_dtype,
-            masked_tile_code=fully_masked_tile_code(formula) if config.block_skipping else None,
+            masked_tile_code=fully_masked_tile_code(skippable) if config.block_skipping else None,
             softmax=region.softmax,
             sink_scale=region.logit_scale,
             unmasked_graph_module=unmasked if visible_tile_code else None,
             visible_tile_code=visible_tile_code,
             pair_dtype=_val(region.pair.result).dtype if region.pair is not None else None,
+            id_graph_modules=_id_modules(region, score_shape) if region.softmax and config.block_skipping else None,
         )
     )
     # The fused node stands where the first of its outputs was computed.
@@ -661,23 +690,46 @@ def fuse(region: AttentionRegion, group_coefficients: Optional[torch.fx.Node] = 
     if region.pair is not None:
         anchor = next(n for n in graph.nodes if n is region.pv or n is region.pair.result)
         _hoist_before(region.pair.values, anchor)
+    groups = 1 if group_coefficients is None else _val(group_coefficients).numel()
+    output_batch = _output_batch(tuple(score_shape[:-2]) or (1,), groups, _val(region.pv).shape[-1])
     with graph.inserting_before(anchor):
         q, kt, v = (_materialise(graph, source) for source in (region.q, region.kt, region.v))
         sink = _broadcast(graph, region.sink, [*score_shape[:-1], 1]) if region.sink is not None else None
         inputs = (q, kt, v, list(region.captured), sink, chain_id)
         if region.pair is None:
-            fused = call_op(graph, torch.ops.flashlight.online_softmax_attention.default, (*inputs, group_coefficients))
+            op = torch.ops.flashlight.online_softmax_attention.default
+            fused = call_op(graph, op, (*inputs, group_coefficients, output_batch))
         else:
             assert group_coefficients is None, "head groups do not combine a pair reduction"
             pair_shape = [*score_shape, _val(region.pair.result).shape[-1]]
             values = _broadcast(graph, region.pair.values, pair_shape)
-            both = call_op(graph, torch.ops.flashlight.online_softmax_attention_with_pair_sum.default, (*inputs, values))
+            op = torch.ops.flashlight.online_softmax_attention_with_pair_sum.default
+            both = call_op(graph, op, (*inputs, values, output_batch))
             fused, pair_sum = (call_op(graph, operator.getitem, (both, i)) for i in (0, 1))
             pair_result = call_op(graph, aten.view.default, (pair_sum, list(_val(region.pair.result).shape)))
             region.pair.result.replace_all_uses_with(pair_result)
-        result = call_op(graph, aten.squeeze.dim, (fused, 0)) if _val(region.pv).dim() == 2 else fused
+        result = _as_matmul_output(graph, fused, _val(region.pv).dim(), output_batch)
     region.pv.replace_all_uses_with(result)
     return result
+
+
+def _output_batch(batch: tuple, groups: int, dv: Any) -> Optional[list[int]]:
+    """The fused output's batch dims: the scores' own (heads combined in groups of ``groups``) when they are
+    static, so that the output has the shape the user's graph views the matmul's output as; None (one flattened
+    batch dim) otherwise."""
+    if not all(isinstance(size, int) for size in (*batch, dv)) or batch[-1] % groups:
+        return None
+    return [*batch[:-1], batch[-1] // groups]
+
+
+def _as_matmul_output(graph: torch.fx.Graph, fused: torch.fx.Node, rank: int, output_batch: Optional[list[int]]) -> torch.fx.Node:
+    """The fused output ``[*output_batch, M, Dv]`` viewed as a matmul's: ``[M, Dv]`` (rank 2) or with the batch
+    flattened (``[Z, M, Dv]``; ``Z / G`` entries when heads combine in groups of G)."""
+    if rank == 2:
+        return call_op(graph, aten.squeeze.dim, (fused, 0))
+    if output_batch is None or len(output_batch) == 1:
+        return fused
+    return call_op(graph, aten.view.default, (fused, [math.prod(output_batch), -1, _val(fused).shape[-1]]))
 
 
 def fuse_attention(graph: torch.fx.Graph) -> None:

@@ -108,28 +108,113 @@ def is_minus_inf(node: object) -> bool:
     )
 
 
+def masked_terms(where: torch.fx.Node) -> Optional[list[tuple[object, bool]]]:
+    """For ``where(cond, -inf, x)`` (or ``where(cond, x, -inf)``), terms whose OR is exactly where the logit is set
+    to -inf, each as (node, negated): ``~(a & b)`` gives [(a, True), (b, True)]. None for any other node."""
+    if where.op != "call_function" or where.target is not aten.where.self:
+        return None
+    condition, if_true, if_false = where.args
+    if is_minus_inf(if_true):
+        return _or_terms(condition, False)
+    if is_minus_inf(if_false):
+        return _or_terms(condition, True)
+    return None
+
+
+def _or_terms(node: object, negated: bool) -> list[tuple[object, bool]]:
+    if _is_call(node, aten.logical_not.default, aten.bitwise_not.default):
+        return _or_terms(node.args[0], not negated)
+    joins = (aten.logical_and.default, aten.bitwise_and.Tensor) if negated else (aten.logical_or.default, aten.bitwise_or.Tensor)
+    if _is_call(node, *joins):
+        return _or_terms(node.args[0], negated) + _or_terms(node.args[1], negated)
+    return [(node, negated)]
+
+
 def position_masks(chain: list[torch.fx.Node], logits_rank: int) -> tuple[Optional[sympy.Boolean], list[torch.fx.Node]]:
     """A formula over (m, n) true where the chain sets the logit to -inf by position alone (or None), and the
     ``where`` nodes that do it."""
     axis_of = _axes(chain, logits_rank)
     masks, nodes = [], []
     for node in chain:
-        if node.op != "call_function" or node.target is not aten.where.self:
-            continue
-        condition, if_true, if_false = node.args
-        try:
-            if is_minus_inf(if_true):
-                mask = _value(condition, axis_of)
-            elif is_minus_inf(if_false):
-                mask = sympy.Not(_value(condition, axis_of))
-            else:
-                continue
-        except (Unknown, KeyError, TypeError):
-            continue
-        if mask.free_symbols <= {ROW, COL} and isinstance(mask, sympy.logic.boolalg.Boolean):
-            masks.append(mask)
+        known = _known_terms(node, axis_of)
+        if known is not None and len(known) == len(masked_terms(node)):
+            masks.append(sympy.Or(*known))
             nodes.append(node)
     return (sympy.Or(*masks) if masks else None), nodes
+
+
+def skippable_positions(chain: list[torch.fx.Node], logits_rank: int) -> Optional[sympy.Boolean]:
+    """A formula over (m, n) that implies the logit is -inf: every position term of every mask, also of masks that
+    combine positions with terms no formula bounds (``doc[m] == doc[n] & n <= m``). Enough to skip a tile; only
+    :func:`position_masks`' complete formula may drop a mask from entirely visible tiles."""
+    axis_of = _axes(chain, logits_rank)
+    terms = [term for node in chain for term in (_known_terms(node, axis_of) or [])]
+    return sympy.Or(*terms) if terms else None
+
+
+def _known_terms(node: torch.fx.Node, axis_of: dict) -> Optional[list[sympy.Boolean]]:
+    """The formulas of the terms of a -inf mask (``masked_terms``) that depend on positions alone."""
+    terms = masked_terms(node)
+    if terms is None:
+        return None
+    known = []
+    for term, negated in terms:
+        try:
+            formula = _value(term, axis_of)
+        except (Unknown, KeyError, TypeError):
+            continue
+        if formula.free_symbols <= {ROW, COL} and isinstance(formula, sympy.logic.boolalg.Boolean):
+            known.append(sympy.Not(formula) if negated else formula)
+    return known
+
+
+def matched_id_masks(chain: list[torch.fx.Node], scores: torch.fx.Node) -> list[tuple[torch.fx.Node, torch.fx.Node]]:
+    """``(row_ids, column_ids)`` for each ``where`` that sets a logit to -inf unless a per-row id equals a
+    per-column id (document masking: ``doc[m] == doc[n]``). The ids are integer tensors read from memory, so no
+    formula bounds them; the kernel bounds them per tile at run time instead: a tile whose row ids and column ids
+    span disjoint intervals has no equal pair, so it is entirely masked."""
+    pairs = []
+    for node in chain:
+        for term, negated in masked_terms(node) or []:
+            if not (_is_call(term, aten.eq.Tensor) and negated) and not (_is_call(term, aten.ne.Tensor) and not negated):
+                continue
+            sides = sorted(term.args[:2], key=lambda side: _varying_axis(side) or 0)
+            if [_varying_axis(side) for side in sides] == [-2, -1] and not any(_reads(side, scores) for side in sides):
+                pairs.append((sides[0], sides[1]))
+    return pairs
+
+
+def _is_call(node: object, *targets: object) -> bool:
+    return isinstance(node, torch.fx.Node) and node.op == "call_function" and node.target in targets
+
+
+def _varying_axis(node: object) -> Optional[int]:
+    """-2 for an integer tensor constant along the columns (per row), -1 for one constant along the rows."""
+    if not isinstance(node, torch.fx.Node) or "val" not in node.meta:
+        return None
+    value = node.meta["val"]
+    if value.dtype.is_floating_point or value.dtype.is_complex or value.dim() < 2 or value.dtype is torch.bool:
+        return None
+    rows, columns = value.shape[-2:]
+    if columns == 1 and rows != 1:
+        return -2
+    if rows == 1 and columns != 1:
+        return -1
+    return None
+
+
+def _reads(node: torch.fx.Node, source: torch.fx.Node) -> bool:
+    """Whether ``node`` is computed from ``source``."""
+    pending, seen = [node], set()
+    while pending:
+        current = pending.pop()
+        if current is source:
+            return True
+        if current in seen:
+            continue
+        seen.add(current)
+        pending.extend(current.all_input_nodes)
+    return False
 
 
 def masked_positions(chain: list[torch.fx.Node], logits_rank: int) -> Optional[sympy.Boolean]:
