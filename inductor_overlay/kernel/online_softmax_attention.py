@@ -115,14 +115,14 @@ N_LOOP = r"""for start_n in range(START, END, BLOCK_N):
 
 ONE_LOOP = N_LOOP.replace("START", "first_n").replace("END", "end_n").replace("CHAIN", "0")
 
-# Tiles the position mask leaves entirely visible (contiguous between full_lo and full_hi, found by the pre-pass)
-# run the user's chain without its mask; the tiles the mask cuts through, on either side, run the whole chain.
+# Tiles the mask leaves entirely visible (contiguous between full_lo and full_hi, found by the pre-pass) run the
+# user's chain without its mask; the tiles the mask cuts through, on either side, run the whole chain.
 SPLIT_LOOPS = (
-    "# Tiles the position mask cuts through, before the entirely visible ones: the whole chain.\n    "
+    "# Tiles the mask cuts through, before the entirely visible ones: the whole chain.\n    "
     + N_LOOP.replace("START", "first_n").replace("END", "full_lo").replace("CHAIN", "0")
     + "    # Entirely visible tiles: the chain without its mask (no per-element mask math).\n    "
     + N_LOOP.replace("START", "full_lo").replace("END", "full_hi").replace("CHAIN", "1")
-    + "    # Tiles the position mask cuts through, after the entirely visible ones.\n    "
+    + "    # Tiles the mask cuts through, after the entirely visible ones.\n    "
     + N_LOOP.replace("START", "full_hi").replace("END", "end_n").replace("CHAIN", "0")
 )
 
