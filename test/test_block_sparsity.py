@@ -235,3 +235,49 @@ def test_ids_with_another_term_keep_their_mask_in_every_tile():
     FileCheck().check("masked = (((n_lo + (-1 * m_hi)) > 0)) | ids_disjoint").check_not("visible = ").run(kernel)
     assert testing.column_tile_loops(kernel) == 1
     testing.assert_close_to_reference(out, causal_within_documents(q.double(), k.double(), v.double(), ids, ids))
+
+
+def kept_by_tensor(q, k, v, keep):
+    return torch.softmax((q @ k.transpose(-2, -1) * 0.25).masked_fill(~keep, float("-inf")), dim=-1) @ v
+
+
+def masked_by_tensor(q, k, v, masked):
+    return torch.softmax(torch.where(masked, float("-inf"), q @ k.transpose(-2, -1)), dim=-1) @ v
+
+
+@pytest.mark.parametrize("pattern", ["causal", "random", "empty_rows", "band"])
+@pytest.mark.parametrize("fn", [kept_by_tensor, masked_by_tensor])
+def test_boolean_mask_tensor_drops_entirely_masked_end_tiles(pattern, fn):
+    """A boolean mask passed in is read tile by tile from both ends of the column range (``while`` loops in the
+    pre-pass); exact for any mask, NaN rows included."""
+    q, k, v = (torch.randn(1, 2, 70, 16) for _ in range(3))
+    rows, cols = torch.arange(70)[:, None], torch.arange(70)[None, :]
+    keep = {
+        "causal": cols <= rows,
+        "random": torch.rand(70, 70) < 0.3,
+        "empty_rows": (cols <= rows) & (rows % 9 != 0),
+        "band": (cols - rows).abs() < 12,
+    }[pattern]
+    mask = keep if fn is kept_by_tensor else ~keep
+    with testing.cpu_triton():
+        out, code = testing.compile_and_get_code(fn, q, k, v, mask)
+    FileCheck().check("while front_masked:").check("tile_masked = ").check("while back_masked:").check(
+        "for start_n in range(first_n, end_n, BLOCK_N)"
+    ).run("\n".join(testing.triton_kernels(code).values()))
+    expected = fn(q.double(), k.double(), v.double(), mask)
+    assert torch.equal(out.isnan(), expected.isnan())
+    testing.assert_close_to_reference(out, expected)
+
+
+def test_tiles_a_mask_tensor_removes_are_never_read():
+    """Rows below 32 keep no column from 32 on: those column tiles (16 wide on the CPU harness) are dropped by the
+    back scan, so NaN poisoned into V there never reaches those rows (any visit would: 0 · NaN = NaN)."""
+    q, k, v = (torch.randn(1, 2, 64, 16) for _ in range(3))
+    rows, cols = torch.arange(64)[:, None], torch.arange(64)[None, :]
+    keep = cols <= rows
+    poisoned = v.clone()
+    poisoned[:, :, 32:] = float("nan")
+    with testing.cpu_triton():
+        out, _ = testing.compile_and_get_code(kept_by_tensor, q, k, poisoned, keep)
+    expected = kept_by_tensor(q.double(), k.double(), v.double(), keep)
+    testing.assert_close_to_reference(out[:, :, :32], expected[:, :, :32])
