@@ -207,3 +207,77 @@ def test_float_ids_are_not_summarised():
         out, code = testing.compile_and_get_code(ids_equal, q, k, v, ids, ids)
     FileCheck().check_not("row_ids").run("\n".join(testing.triton_kernels(code).values()))
     testing.assert_close_to_reference(out, ids_equal(q.double(), k.double(), v.double(), ids, ids))
+
+
+@pytest.mark.parametrize("fn", [ids_equal, ids_equal_where_kept])
+def test_tiles_inside_one_document_run_the_chain_without_the_mask(fn):
+    """A tile whose row and column ids are all one value is entirely kept: with the id-equality mask alone in its
+    ``where``, such tiles (contiguous inside a document, for sorted ids) get a loop with no id loads or mask math."""
+    q, k, v = (torch.randn(1, 2, 96, 16) for _ in range(3))
+    ids = torch.tensor([0] * 40 + [1] * 56)[None, :]  # column tiles 3..5 of 16 lie inside document 1
+    with testing.cpu_triton():
+        out, code = testing.compile_and_get_code(fn, q, k, v, ids, ids)
+    kernel = "\n".join(testing.triton_kernels(code).values())
+    FileCheck().check("visible = ~masked & ").check("(row_id_lo == row_id_hi) & (tl.min(col_ids, 1) == row_id_lo)").run(kernel)
+    partial_before, visible, partial_after = (loop.split("logits = tmp")[0] for loop in kernel.split("for start_n in range(")[1:])
+    assert "tl.where(" in partial_before and "tl.where(" in partial_after
+    assert "tl.where(" not in visible and "tl.load(" not in visible.split("scores = tl.dot")[1]
+    testing.assert_close_to_reference(out, fn(q.double(), k.double(), v.double(), ids, ids))
+
+
+def test_ids_with_another_term_keep_their_mask_in_every_tile():
+    """``doc[m] == doc[n] & n <= m``: all ids equal does not make a tile visible; the causal term still skips."""
+    q, k, v = (torch.randn(1, 2, 64, 16) for _ in range(3))
+    ids = torch.tensor([0] * 20 + [1] * 44)[None, :]
+    with testing.cpu_triton():
+        out, code = testing.compile_and_get_code(causal_within_documents, q, k, v, ids, ids)
+    kernel = "\n".join(testing.triton_kernels(code).values())
+    FileCheck().check("masked = (((n_lo + (-1 * m_hi)) > 0)) | ids_disjoint").check_not("visible = ").run(kernel)
+    assert testing.column_tile_loops(kernel) == 1
+    testing.assert_close_to_reference(out, causal_within_documents(q.double(), k.double(), v.double(), ids, ids))
+
+
+def kept_by_tensor(q, k, v, keep):
+    return torch.softmax((q @ k.transpose(-2, -1) * 0.25).masked_fill(~keep, float("-inf")), dim=-1) @ v
+
+
+def masked_by_tensor(q, k, v, masked):
+    return torch.softmax(torch.where(masked, float("-inf"), q @ k.transpose(-2, -1)), dim=-1) @ v
+
+
+@pytest.mark.parametrize("pattern", ["causal", "random", "empty_rows", "band"])
+@pytest.mark.parametrize("fn", [kept_by_tensor, masked_by_tensor])
+def test_boolean_mask_tensor_drops_entirely_masked_end_tiles(pattern, fn):
+    """A boolean mask passed in is read tile by tile from both ends of the column range (``while`` loops in the
+    pre-pass); exact for any mask, NaN rows included."""
+    q, k, v = (torch.randn(1, 2, 70, 16) for _ in range(3))
+    rows, cols = torch.arange(70)[:, None], torch.arange(70)[None, :]
+    keep = {
+        "causal": cols <= rows,
+        "random": torch.rand(70, 70) < 0.3,
+        "empty_rows": (cols <= rows) & (rows % 9 != 0),
+        "band": (cols - rows).abs() < 12,
+    }[pattern]
+    mask = keep if fn is kept_by_tensor else ~keep
+    with testing.cpu_triton():
+        out, code = testing.compile_and_get_code(fn, q, k, v, mask)
+    FileCheck().check("while front_masked:").check("tile_masked = ").check("while back_masked:").check(
+        "for start_n in range(first_n, end_n, BLOCK_N)"
+    ).run("\n".join(testing.triton_kernels(code).values()))
+    expected = fn(q.double(), k.double(), v.double(), mask)
+    assert torch.equal(out.isnan(), expected.isnan())
+    testing.assert_close_to_reference(out, expected)
+
+
+def test_tiles_a_mask_tensor_removes_are_never_read():
+    """Rows below 32 keep no column from 32 on: those column tiles (16 wide on the CPU harness) are dropped by the
+    back scan, so NaN poisoned into V there never reaches those rows (any visit would: 0 · NaN = NaN)."""
+    q, k, v = (torch.randn(1, 2, 64, 16) for _ in range(3))
+    rows, cols = torch.arange(64)[:, None], torch.arange(64)[None, :]
+    keep = cols <= rows
+    poisoned = v.clone()
+    poisoned[:, :, 32:] = float("nan")
+    with testing.cpu_triton():
+        out, _ = testing.compile_and_get_code(kept_by_tensor, q, k, poisoned, keep)
+    expected = kept_by_tensor(q.double(), k.double(), v.double(), keep)
+    testing.assert_close_to_reference(out[:, :, :32], expected[:, :, :32])

@@ -41,17 +41,21 @@ import math
 import operator
 from typing import Any, Optional, Union
 
+import sympy
 import torch
 from torch._dynamo.utils import counters
 
 from inductor_overlay import config
 from inductor_overlay.fx_passes.block_sparsity import (
+    IDS_ALL_EQUAL,
+    IdMask,
     fully_masked_tile_code,
     fully_visible_tile_code,
     is_minus_inf,
     matched_id_masks,
     position_masks,
     skippable_positions,
+    tensor_masks,
 )
 from inductor_overlay.kernel.online_softmax_attention import MAX_HEAD_DIM
 from inductor_overlay.ops import ScoreChain, register_score_chain
@@ -591,18 +595,34 @@ def _score_chain_module(region: AttentionRegion, unmasked: frozenset = frozenset
     return torch.fx.GraphModule(torch.nn.Module(), graph)
 
 
-def _id_modules(region: AttentionRegion, score_shape: torch.Size) -> Optional[tuple[torch.fx.GraphModule, ...]]:
-    """The row ids and the column ids of the first id-equality mask in the chain (``matched_id_masks``), each as a
-    graph (scores, *captured) -> ids broadcast to the score shape, for the kernel to bound per tile; or None."""
-    pairs = matched_id_masks(region.chain, region.score_root)
+def _summarised_id_mask(region: AttentionRegion) -> Optional[IdMask]:
+    """The first id-equality mask (``matched_id_masks``) whose ids the kernel can compute (chain values or captured
+    tensors): its pre-pass bounds them per tile."""
     known = set(region.chain) | set(region.captured)
-    if not pairs or not set(pairs[0]) <= known:
+    masks = matched_id_masks(region.chain, region.score_root)
+    return next((mask for mask in masks if {mask.rows, mask.columns} <= known), None)
+
+
+def _visible_tile_code(formula: Optional[sympy.Boolean], id_mask: Optional[IdMask]) -> str:
+    """The test that none of the dropped masks masks any element of a tile: position masks by their formula, an
+    id-equality mask alone in its ``where`` when all the tile's ids are one value."""
+    parts = [fully_visible_tile_code(formula)] if formula is not None else []
+    if id_mask is not None and id_mask.alone:
+        parts.append(IDS_ALL_EQUAL)
+    return " & ".join(f"({part})" for part in parts)
+
+
+def _tensor_mask_module(region: AttentionRegion, score_shape: torch.Size) -> Optional[torch.fx.GraphModule]:
+    """(scores, *captured) -> where the first mask read from memory (``tensor_masks``) sets the logit to -inf."""
+    known = set(region.chain) | set(region.captured)
+    masks = [(mask, negated) for mask, negated in tensor_masks(region.chain, region.score_root, list(region.captured)) if mask in known]
+    if not masks:
         return None
-    return tuple(_chain_value_module(region, ids, list(score_shape)) for ids in pairs[0])
+    return _chain_value_module(region, masks[0][0], list(score_shape), negate=masks[0][1])
 
 
-def _chain_value_module(region: AttentionRegion, value: torch.fx.Node, shape: list) -> torch.fx.GraphModule:
-    """(scores, *captured) -> ``value`` (a node of the chain), expanded to ``shape``."""
+def _chain_value_module(region: AttentionRegion, value: torch.fx.Node, shape: list, negate: bool = False) -> torch.fx.GraphModule:
+    """(scores, *captured) -> ``value`` (a node of the chain), expanded to ``shape`` (and negated)."""
     graph = torch.fx.Graph()
     env = {region.score_root: graph.placeholder("scores")}
     for index, captured in enumerate(region.captured):
@@ -611,7 +631,8 @@ def _chain_value_module(region: AttentionRegion, value: torch.fx.Node, shape: li
         env[node] = graph.node_copy(node, lambda arg: env[arg])
         if node is value:
             break
-    graph.output(graph.call_function(aten.expand.default, (env[value], shape)))
+    result = graph.call_function(aten.expand.default, (env[value], shape))
+    graph.output(graph.call_function(aten.logical_not.default, (result,)) if negate else result)
     graph.eliminate_dead_code()
     return torch.fx.GraphModule(torch.nn.Module(), graph)
 
@@ -667,9 +688,11 @@ def fuse(region: AttentionRegion, group_coefficients: Optional[torch.fx.Node] = 
     score_shape = _val(region.score_root).shape
     formula, mask_nodes = position_masks(region.chain, len(score_shape)) if region.softmax else (None, [])
     skippable = skippable_positions(region.chain, len(score_shape)) if region.softmax else None
-    unmasked = _score_chain_module(region, frozenset(mask_nodes)) if mask_nodes and config.split_visible_tiles else None
+    id_mask = _summarised_id_mask(region) if region.softmax and config.block_skipping else None
+    droppable = [*mask_nodes, *([id_mask.where] if id_mask is not None and id_mask.alone else [])]
+    unmasked = _score_chain_module(region, frozenset(droppable)) if droppable and config.split_visible_tiles else None
     split = unmasked is not None and _worth_a_visible_loop(unmasked, region)
-    visible_tile_code = fully_visible_tile_code(formula) if split else None
+    visible_tile_code = _visible_tile_code(formula, id_mask) if split else None
     chain_id = register_score_chain(
         ScoreChain(
             graph_module=_score_chain_module(region),
@@ -682,7 +705,10 @@ def fuse(region: AttentionRegion, group_coefficients: Optional[torch.fx.Node] = 
             unmasked_graph_module=unmasked if visible_tile_code else None,
             visible_tile_code=visible_tile_code,
             pair_dtype=_val(region.pair.result).dtype if region.pair is not None else None,
-            id_graph_modules=_id_modules(region, score_shape) if region.softmax and config.block_skipping else None,
+            id_graph_modules=None if id_mask is None else tuple(
+                _chain_value_module(region, ids, list(score_shape)) for ids in (id_mask.rows, id_mask.columns)
+            ),
+            tensor_mask_graph_module=_tensor_mask_module(region, score_shape) if region.softmax and config.block_skipping else None,
         )
     )
     # The fused node stands where the first of its outputs was computed.

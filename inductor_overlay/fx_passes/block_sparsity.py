@@ -14,6 +14,7 @@ kernel simply visits every tile.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Optional
 
@@ -168,20 +169,53 @@ def _known_terms(node: torch.fx.Node, axis_of: dict) -> Optional[list[sympy.Bool
     return known
 
 
-def matched_id_masks(chain: list[torch.fx.Node], scores: torch.fx.Node) -> list[tuple[torch.fx.Node, torch.fx.Node]]:
-    """``(row_ids, column_ids)`` for each ``where`` that sets a logit to -inf unless a per-row id equals a
-    per-column id (document masking: ``doc[m] == doc[n]``). The ids are integer tensors read from memory, so no
-    formula bounds them; the kernel bounds them per tile at run time instead: a tile whose row ids and column ids
-    span disjoint intervals has no equal pair, so it is entirely masked."""
-    pairs = []
+@dataclasses.dataclass(frozen=True)
+class IdMask:
+    """A ``where`` that sets a logit to -inf unless a per-row id equals a per-column id (document masking:
+    ``doc[m] == doc[n]``), possibly among other terms."""
+
+    where: torch.fx.Node
+    rows: torch.fx.Node  # the ids, per row (constant along the columns)
+    columns: torch.fx.Node  # the ids, per column
+    alone: bool  # the equality is the mask's only term: where all ids of a tile are equal, the mask keeps it all
+
+
+def matched_id_masks(chain: list[torch.fx.Node], scores: torch.fx.Node) -> list[IdMask]:
+    """Every id-equality mask of the chain. The ids are integer tensors read from memory, so no formula bounds
+    them; the kernel bounds them per tile at run time instead: a tile whose row ids and column ids span disjoint
+    intervals has no equal pair, so it is entirely masked (``ids_disjoint``); one whose ids are all one value is
+    entirely kept by the mask (``IDS_ALL_EQUAL``)."""
+    found = []
     for node in chain:
-        for term, negated in masked_terms(node) or []:
+        terms = masked_terms(node) or []
+        for term, negated in terms:
             if not (_is_call(term, aten.eq.Tensor) and negated) and not (_is_call(term, aten.ne.Tensor) and not negated):
                 continue
             sides = sorted(term.args[:2], key=lambda side: _varying_axis(side) or 0)
             if [_varying_axis(side) for side in sides] == [-2, -1] and not any(_reads(side, scores) for side in sides):
-                pairs.append((sides[0], sides[1]))
-    return pairs
+                found.append(IdMask(node, sides[0], sides[1], alone=len(terms) == 1))
+    return found
+
+
+# Over the row tile's id range [row_id_lo, row_id_hi] and the column ids of SCAN_TILES tiles ([SCAN_TILES, BLOCK_N]).
+IDS_ALL_EQUAL = "((row_id_lo == row_id_hi) & (tl.min(col_ids, 1) == row_id_lo) & (tl.max(col_ids, 1) == row_id_lo))"
+
+
+def tensor_masks(chain: list[torch.fx.Node], scores: torch.fx.Node, captured: list) -> list[tuple[torch.fx.Node, bool]]:
+    """``(mask, negated)`` for each term of a -inf mask that is a boolean tensor read from memory and varies along
+    rows and columns (a mask passed in: ``scores.masked_fill(~keep, -inf)``): the logit is -inf where ``mask`` is
+    true (false if ``negated``). No formula bounds it; the kernel's pre-pass reads it, tile by tile, from each end
+    of the column range."""
+    found = []
+    for node in chain:
+        for term, negated in masked_terms(node) or []:
+            if not isinstance(term, torch.fx.Node) or "val" not in term.meta:
+                continue
+            value = term.meta["val"]
+            varies = value.dim() >= 2 and value.shape[-2] != 1 and value.shape[-1] != 1
+            if value.dtype is torch.bool and varies and not _reads(term, scores) and any(_reads(term, c) for c in captured):
+                found.append((term, negated))
+    return found
 
 
 def _is_call(node: object, *targets: object) -> bool:
