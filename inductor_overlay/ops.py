@@ -44,9 +44,6 @@ class ScoreChain:
     # (scores, *captured) -> per-row ids and -> per-column ids, each broadcast to the score shape, of a mask that
     # keeps a logit only where the two are equal (document masking): the kernel skips tiles whose ids are disjoint.
     id_graph_modules: Optional[tuple[torch.fx.GraphModule, torch.fx.GraphModule]] = None
-    # (scores, *captured) -> where a mask read from memory sets the logit to -inf (a boolean tensor passed in): the
-    # kernel reads it per tile to drop entirely masked tiles from both ends of the column range.
-    tensor_mask_graph_module: Optional[torch.fx.GraphModule] = None
 
 
 SCORE_CHAINS: dict[int, ScoreChain] = {}

@@ -55,7 +55,6 @@ from inductor_overlay.fx_passes.block_sparsity import (
     matched_id_masks,
     position_masks,
     skippable_positions,
-    tensor_masks,
 )
 from inductor_overlay.kernel.online_softmax_attention import MAX_HEAD_DIM
 from inductor_overlay.ops import ScoreChain, register_score_chain
@@ -612,17 +611,8 @@ def _visible_tile_code(formula: Optional[sympy.Boolean], id_mask: Optional[IdMas
     return " & ".join(f"({part})" for part in parts)
 
 
-def _tensor_mask_module(region: AttentionRegion, score_shape: torch.Size) -> Optional[torch.fx.GraphModule]:
-    """(scores, *captured) -> where the first mask read from memory (``tensor_masks``) sets the logit to -inf."""
-    known = set(region.chain) | set(region.captured)
-    masks = [(mask, negated) for mask, negated in tensor_masks(region.chain, region.score_root, list(region.captured)) if mask in known]
-    if not masks:
-        return None
-    return _chain_value_module(region, masks[0][0], list(score_shape), negate=masks[0][1])
-
-
-def _chain_value_module(region: AttentionRegion, value: torch.fx.Node, shape: list, negate: bool = False) -> torch.fx.GraphModule:
-    """(scores, *captured) -> ``value`` (a node of the chain), expanded to ``shape`` (and negated)."""
+def _chain_value_module(region: AttentionRegion, value: torch.fx.Node, shape: list) -> torch.fx.GraphModule:
+    """(scores, *captured) -> ``value`` (a node of the chain), expanded to ``shape``."""
     graph = torch.fx.Graph()
     env = {region.score_root: graph.placeholder("scores")}
     for index, captured in enumerate(region.captured):
@@ -631,8 +621,7 @@ def _chain_value_module(region: AttentionRegion, value: torch.fx.Node, shape: li
         env[node] = graph.node_copy(node, lambda arg: env[arg])
         if node is value:
             break
-    result = graph.call_function(aten.expand.default, (env[value], shape))
-    graph.output(graph.call_function(aten.logical_not.default, (result,)) if negate else result)
+    graph.output(graph.call_function(aten.expand.default, (env[value], shape)))
     graph.eliminate_dead_code()
     return torch.fx.GraphModule(torch.nn.Module(), graph)
 
@@ -708,7 +697,6 @@ def fuse(region: AttentionRegion, group_coefficients: Optional[torch.fx.Node] = 
             id_graph_modules=None if id_mask is None else tuple(
                 _chain_value_module(region, ids, list(score_shape)) for ids in (id_mask.rows, id_mask.columns)
             ),
-            tensor_mask_graph_module=_tensor_mask_module(region, score_shape) if region.softmax and config.block_skipping else None,
         )
     )
     # The fused node stands where the first of its outputs was computed.

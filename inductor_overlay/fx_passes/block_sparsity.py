@@ -201,23 +201,6 @@ def matched_id_masks(chain: list[torch.fx.Node], scores: torch.fx.Node) -> list[
 IDS_ALL_EQUAL = "((row_id_lo == row_id_hi) & (tl.min(col_ids, 1) == row_id_lo) & (tl.max(col_ids, 1) == row_id_lo))"
 
 
-def tensor_masks(chain: list[torch.fx.Node], scores: torch.fx.Node, captured: list) -> list[tuple[torch.fx.Node, bool]]:
-    """``(mask, negated)`` for each term of a -inf mask that is a boolean tensor read from memory and varies along
-    rows and columns (a mask passed in: ``scores.masked_fill(~keep, -inf)``): the logit is -inf where ``mask`` is
-    true (false if ``negated``). No formula bounds it; the kernel's pre-pass reads it, tile by tile, from each end
-    of the column range."""
-    found = []
-    for node in chain:
-        for term, negated in masked_terms(node) or []:
-            if not isinstance(term, torch.fx.Node) or "val" not in term.meta:
-                continue
-            value = term.meta["val"]
-            varies = value.dim() >= 2 and value.shape[-2] != 1 and value.shape[-1] != 1
-            if value.dtype is torch.bool and varies and not _reads(term, scores) and any(_reads(term, c) for c in captured):
-                found.append((term, negated))
-    return found
-
-
 def _is_call(node: object, *targets: object) -> bool:
     return isinstance(node, torch.fx.Node) and node.op == "call_function" and node.target in targets
 

@@ -263,39 +263,10 @@ COLUMN_ID_TEST = """
         ids_disjoint = (tl.max(col_ids, 1) < row_id_lo) | (tl.min(col_ids, 1) > row_id_hi)"""
 
 
-# A boolean mask tensor passed in is bounded by no formula and its tiles have no cheap summary (they are the mask
-# itself): read it tile by tile from each end of the range, while the end tile is entirely masked. For a causal
-# mask that reads the tiles above the diagonal once, instead of computing them.
-TENSOR_MASK_ENDS = """
-    # A mask read from memory: drop the tiles it masks entirely from the front of [first_n, end_n) ...
-    front_masked = first_n < end_n
-    while front_masked:
-        scan_n = tl.minimum(first_n + tl.arange(0, BLOCK_N), N - 1)[None, :]
-        {{ modification(subgraph_number=TENSOR_MASK, output_name="tile_masked", score="scores", fl_z="fl_z", fl_m="fl_m", fl_n="scan_n", input_shapes={"score": ("BLOCK_M", "BLOCK_N"), "fl_z": (), "fl_m": ("BLOCK_M", "1"), "fl_n": ("1", "BLOCK_N")}) | indent_except_first(2) }}
-        front_masked = tl.min(tile_masked.to(tl.int32)) == 1
-        first_n = tl.where(front_masked, first_n + BLOCK_N, first_n)
-        front_masked = front_masked & (first_n < end_n)
-    # ... and from its back (the last tile starts at a multiple of BLOCK_N past first_n).
-    back_masked = first_n < end_n
-    while back_masked:
-        last_n = first_n + (end_n - first_n - 1) // BLOCK_N * BLOCK_N
-        scan_n = tl.minimum(last_n + tl.arange(0, BLOCK_N), N - 1)[None, :]
-        {{ modification(subgraph_number=TENSOR_MASK, output_name="tile_masked", score="scores", fl_z="fl_z", fl_m="fl_m", fl_n="scan_n", input_shapes={"score": ("BLOCK_M", "BLOCK_N"), "fl_z": (), "fl_m": ("BLOCK_M", "1"), "fl_n": ("1", "BLOCK_N")}) | indent_except_first(2) }}
-        back_masked = tl.min(tile_masked.to(tl.int32)) == 1
-        end_n = tl.where(back_masked, last_n, end_n)
-        back_masked = back_masked & (first_n < end_n)"""
-
-
-def _tile_range(
-    masked_tile_code: Optional[str], visible_tile_code: Optional[str], id_subgraphs: Optional[tuple[int, int]],
-    tensor_mask_subgraph: Optional[int] = None,
-) -> str:
+def _tile_range(masked_tile_code: Optional[str], visible_tile_code: Optional[str], id_subgraphs: Optional[tuple[int, int]]) -> str:
     """The code that sets [first_n, end_n) (and, with a visible-tile test, [full_lo, full_hi))."""
     if masked_tile_code is None and visible_tile_code is None and id_subgraphs is None:
-        if tensor_mask_subgraph is None:
-            return ALL_TILES
-        start = "first_n = tl.zeros([], tl.int32)\n    end_n = tl.zeros([], tl.int32) + N"
-        return start + TENSOR_MASK_ENDS.replace("TENSOR_MASK", str(tensor_mask_subgraph))
+        return ALL_TILES
     tile_range = VISIBLE_TILES.replace("FULLY_MASKED", masked_tile_code or "(n_lo < 0)")
     if id_subgraphs is not None:
         rows, columns = id_subgraphs
@@ -310,8 +281,6 @@ def _tile_range(
         scan = tile_range.index("    for scan_n")
         tile_range = tile_range[:scan].rstrip("\n") + VISIBLE_RANGE_STATE + "\n" + tile_range[scan:]
         tile_range += VISIBLE_RANGE.replace("FULLY_VISIBLE", visible_tile_code)
-    if tensor_mask_subgraph is not None:
-        tile_range += TENSOR_MASK_ENDS.replace("TENSOR_MASK", str(tensor_mask_subgraph))
     return tile_range
 
 
@@ -354,13 +323,12 @@ def online_softmax_attention_template(
     pair_rank: Optional[int] = None,
     output_batch: tuple[int, ...] = (0,),
     id_subgraphs: Optional[tuple[int, int]] = None,
-    tensor_mask_subgraph: Optional[int] = None,
 ) -> TritonTemplate:
     """The kernel template for operands with the given numbers of batch dims (q, kᵀ, v and, if there is a fourth,
     the sink), position mask (tests for entirely masked and entirely visible tiles), normalisation (softmax, or
     none), head groups (1: no combination), pair reduction (the per-pair tensor's batch dims, or None), output
-    batch dims (their sizes; one dim, of any size, for a flattened batch), id-equality mask (the subgraphs of
-    its row and column ids, or None) and mask tensor (its subgraph, or None)."""
+    batch dims (their sizes; one dim, of any size, for a flattened batch) and id-equality mask (the subgraphs of
+    its row and column ids, or None)."""
     names = ["Q", "KT", "V", "SINK"][: len(batch_ranks)] + (["COEF"] if groups > 1 else [])
     if not softmax:
         state, accumulate, finish = LINEAR_STATE, LINEAR_ACCUMULATE, LINEAR_FINISH
@@ -371,7 +339,7 @@ def online_softmax_attention_template(
         batch_ranks = (*batch_ranks, pair_rank)
         state, finish = state + PAIR_STATE, finish + PAIR_FINISH
         accumulate = accumulate.replace("# acc = alpha * acc + P V", PAIR_ACCUMULATE + "# acc = alpha * acc + P V")
-    tile_range = _tile_range(masked_tile_code, visible_tile_code, id_subgraphs, tensor_mask_subgraph)
+    tile_range = _tile_range(masked_tile_code, visible_tile_code, id_subgraphs)
     one_head = (
         ONE_HEAD.replace("N_LOOPS", ONE_LOOP if visible_tile_code is None else SPLIT_LOOPS)
         .replace("ROW_STATE", state)
@@ -551,10 +519,6 @@ def _lower_attention(q, kt, v, captured, sink, chain_id, group_coefficients=None
     if chain.id_graph_modules is not None:
         id_subgraphs = (len(chains), len(chains) + 1)
         chains += list(chain.id_graph_modules)
-    tensor_mask_subgraph = None
-    if chain.tensor_mask_graph_module is not None:
-        tensor_mask_subgraph = len(chains)
-        chains.append(chain.tensor_mask_graph_module)
     subgraphs = [_lower_score_chain(module, chain.score_dtype, score_size, device, list(captured)) for module in chains]
     # Realised as they are: the kernel reads any strides (no stride-1 copy, unlike ``realize_inputs``).
     operands = [ir.ExternKernel.realize_input(t) for t in (q, kt, v, sink) if t is not None]
@@ -580,7 +544,7 @@ def _lower_attention(q, kt, v, captured, sink, chain_id, group_coefficients=None
     template_key = (
         ranks, chain.masked_tile_code, chain.softmax, groups,
         chain.visible_tile_code if chain.unmasked_graph_module is not None else None, pair_rank,
-        tuple(output_batch) if output_batch is not None else (0,), id_subgraphs, tensor_mask_subgraph,
+        tuple(output_batch) if output_batch is not None else (0,), id_subgraphs,
     )
     choices: list[Any] = []
     for config in kernel_configs(d, dv, device, groups, channels):
