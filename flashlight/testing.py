@@ -228,6 +228,31 @@ def triton_kernels(code: str | Sequence[str]) -> dict[str, str]:
     return kernels
 
 
+def check_gpu_front_end(code: str | Sequence[str]) -> None:
+    """Every Triton kernel in the generated module(s) passes Triton's front end for sm90 (``triton_front_end``):
+    the interpreter that runs the CPU tests would not reject a kernel the GPU compiler rejects."""
+    import subprocess
+    import tempfile
+
+    text = code if isinstance(code, str) else "\n".join(code)
+    with tempfile.TemporaryDirectory() as directory:
+        paths = []
+        for match in _KERNEL_MODULE.finditer(text):
+            end = text.find(_KERNEL_MODULE_END, match.end())
+            path = os.path.join(directory, f"{match.group(1)}.py")
+            with open(path, "w") as handle:
+                handle.write(text[match.end() : end])
+            paths.append(path)
+        assert paths, "no Triton kernel in the generated code"
+        command = [sys.executable, "-m", "flashlight.triton_front_end", *paths]
+        done = subprocess.run(command, capture_output=True, text=True)
+    assert done.returncode == 0, f"Triton's front end rejected a kernel:\n{done.stdout}{done.stderr[-3000:]}"
+
+
+_KERNEL_MODULE = re.compile(r"async_compile\.triton\('(\w+)', '''")
+_KERNEL_MODULE_END = "''', device_str="
+
+
 def check_kernels(
     code: str | Sequence[str],
     kernels: int | None = None,
