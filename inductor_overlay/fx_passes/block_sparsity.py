@@ -234,11 +234,6 @@ def _reads(node: torch.fx.Node, source: torch.fx.Node) -> bool:
     return False
 
 
-def masked_positions(chain: list[torch.fx.Node], logits_rank: int) -> Optional[sympy.Boolean]:
-    """A formula over (m, n) true where the chain sets the logit to -inf by position alone, or None."""
-    return position_masks(chain, logits_rank)[0]
-
-
 # ---------------------------------------------------------------------------------------------- interval codegen
 class _Interval:
     """Triton source for the lower and upper bound of an integer expression over a tile."""
