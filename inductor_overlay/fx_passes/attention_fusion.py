@@ -49,13 +49,14 @@ from inductor_overlay import config
 from inductor_overlay.fx_passes.block_sparsity import (
     IDS_ALL_EQUAL,
     IdMask,
+    depends_on,
     fully_masked_tile_code,
     fully_visible_tile_code,
     is_minus_inf,
     matched_id_masks,
     position_masks,
-    skippable_positions,
 )
+from inductor_overlay.fx_passes.block_sparsity import is_op as _is
 from inductor_overlay.kernel.online_softmax_attention import MAX_HEAD_DIM
 from inductor_overlay.ops import ScoreChain, register_score_chain
 
@@ -115,11 +116,6 @@ class AttentionRegion:
 def _val(node: torch.fx.Node) -> Optional[torch.Tensor]:
     value = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
     return value if isinstance(value, torch.Tensor) else None
-
-
-def _is(node: object, targets: Union[tuple, object]) -> bool:
-    targets = targets if isinstance(targets, tuple) else (targets,)
-    return isinstance(node, torch.fx.Node) and node.op == "call_function" and node.target in targets
 
 
 def _reduces_last_dim_keepdim(node: torch.fx.Node, source: torch.fx.Node) -> bool:
@@ -216,14 +212,6 @@ def _is_small_reduction(node: torch.fx.Node) -> bool:
     return all(isinstance(s, int) for s in sizes) and math.prod(sizes) <= config.chain_reduction_max_elements
 
 
-def _depends_on(node: torch.fx.Node, target: torch.fx.Node, memo: dict) -> bool:
-    if node is target:
-        return True
-    if node not in memo:
-        memo[node] = any(_depends_on(arg, target, memo) for arg in node.all_input_nodes)
-    return memo[node]
-
-
 def _collect_chain(
     logits: torch.fx.Node, qk: torch.fx.Node
 ) -> Union[Decline, tuple[torch.fx.Node, list[torch.fx.Node], list[torch.fx.Node]]]:
@@ -245,7 +233,7 @@ def _collect_chain(
                 return Decline("the scores enter the softmax through two different views")
             score_root = node
             continue
-        if _depends_on(node, qk, on_score_path):
+        if depends_on(node, qk, on_score_path):
             if not _is_inlinable(node) or _is(node, _VIEWS + _INDEX_SOURCES):
                 return Decline(f"`{node.target}` between the matmul and the softmax is not elementwise on the scores")
             if tuple(_val(node).shape) != logits_shape:
@@ -418,7 +406,7 @@ def _match_pair_reduction(
         return Decline("the probabilities are used outside the attention, other than p.unsqueeze(-1) * y")
     values = product.args[1] if product.args[0] is unsqueezed else product.args[0]
     value = _val(values)
-    if value is None or not value.is_floating_point() or _depends_on(values, qk, {}) or _depends_on(values, pv, {}):
+    if value is None or not value.is_floating_point() or depends_on(values, qk, {}) or depends_on(values, pv, {}):
         return Decline("the per-pair tensor the probabilities meet is not a float tensor independent of the scores")
     shape = tuple(_val(product).shape)
     if shape[:-1] != score_shape or not isinstance(shape[-1], int):
@@ -497,7 +485,7 @@ def find_attention(pv: torch.fx.Node, dead: frozenset = frozenset()) -> Union[De
         return Decline("the logits have no static metadata")
     # The scores are the matmul the logits reach through elementwise ops; other matmuls they depend on (a
     # projected pair bias, say) are tensors the chain reads. Try the latest first.
-    qk_candidates = [n for n in logits.graph.nodes if _is(n, _MATMULS) and n is not pv and _depends_on(logits, n, {})]
+    qk_candidates = [n for n in logits.graph.nodes if _is(n, _MATMULS) and n is not pv and depends_on(logits, n, {})]
     collected: Union[Decline, tuple] = Decline("the softmax input does not come from a matmul")
     for qk in reversed(qk_candidates):
         collected = _collect_chain(logits, qk)
@@ -508,7 +496,7 @@ def find_attention(pv: torch.fx.Node, dead: frozenset = frozenset()) -> Union[De
     score_root, chain, captured = collected
     if any(not isinstance(c.meta.get("val"), torch.Tensor) for c in captured):
         return Decline("the score chain computes with a dynamic size (e.g. a mask built from a dynamic length)")
-    if any(_depends_on(c, qk, {}) for c in captured) or (sink is not None and _depends_on(sink, qk, {})):
+    if any(depends_on(c, qk, {}) for c in captured) or (sink is not None and depends_on(sink, qk, {})):
         return Decline("a tensor read by the score chain depends on the scores")
 
     q, kt = _matmul_operands(qk)
@@ -539,7 +527,7 @@ def find_attention(pv: torch.fx.Node, dead: frozenset = frozenset()) -> Union[De
     if isinstance(pair, Decline):
         return pair
     scores = [qk, *_strip_order_preserving(score_root)[1]]
-    internal = set(scores) | {n for n in chain if _depends_on(n, qk, {})} | set(softmax_nodes) | set(passthrough)
+    internal = set(scores) | {n for n in chain if depends_on(n, qk, {})} | set(softmax_nodes) | set(passthrough)
     internal |= set(pair.nodes) if pair is not None else set()
     replaced = {pv} | ({pair.result} if pair is not None else set())
     for node in internal:
@@ -567,9 +555,9 @@ def find_attention(pv: torch.fx.Node, dead: frozenset = frozenset()) -> Union[De
     )
 
 
-def _score_chain_module(region: AttentionRegion, unmasked: frozenset = frozenset()) -> torch.fx.GraphModule:
-    """The chain from scores to logits as its own graph: (scores, *captured) -> logits. The ``where(cond, -inf, x)``
-    nodes in ``unmasked`` pass ``x`` through (for tiles where ``cond`` is false everywhere)."""
+def _chain_inputs(region: AttentionRegion) -> tuple[torch.fx.Graph, dict]:
+    """A new graph whose placeholders are the chain's inputs, (scores, *captured), and the map from the user's
+    nodes to them (the score root to the scores, times the scale taken off q or k)."""
     graph = torch.fx.Graph()
     scores = graph.placeholder("scores")
     env = {region.score_root: scores}
@@ -577,12 +565,19 @@ def _score_chain_module(region: AttentionRegion, unmasked: frozenset = frozenset
         env[value] = graph.placeholder(f"captured_{index}")
     if region.operand_scale != 1.0:
         env[region.score_root] = graph.call_function(aten.mul.Tensor, (scores, region.operand_scale))
+    return graph, env
+
+
+def _score_chain_module(region: AttentionRegion, unmasked: frozenset = frozenset()) -> torch.fx.GraphModule:
+    """The chain from scores to logits as its own graph: (scores, *captured) -> logits. The ``where(cond, -inf, x)``
+    nodes in ``unmasked`` pass ``x`` through (for tiles where ``cond`` is false everywhere)."""
+    graph, env = _chain_inputs(region)
     for node in region.chain:
         if node in unmasked:
             condition, if_true, if_false = node.args
             kept = if_false if is_minus_inf(if_true) else if_true
             env[node] = env[kept] if isinstance(kept, torch.fx.Node) else graph.call_function(
-                aten.full_like.default, (scores, kept)
+                aten.full_like.default, (env[region.score_root], kept)
             )
             continue
         env[node] = graph.node_copy(node, lambda arg: env[arg])
@@ -613,10 +608,7 @@ def _visible_tile_code(formula: Optional[sympy.Boolean], id_mask: Optional[IdMas
 
 def _chain_value_module(region: AttentionRegion, value: torch.fx.Node, shape: list) -> torch.fx.GraphModule:
     """(scores, *captured) -> ``value`` (a node of the chain), expanded to ``shape``."""
-    graph = torch.fx.Graph()
-    env = {region.score_root: graph.placeholder("scores")}
-    for index, captured in enumerate(region.captured):
-        env[captured] = graph.placeholder(f"captured_{index}")
+    graph, env = _chain_inputs(region)
     for node in region.chain:
         env[node] = graph.node_copy(node, lambda arg: env[arg])
         if node is value:
@@ -675,8 +667,7 @@ def fuse(region: AttentionRegion, group_coefficients: Optional[torch.fx.Node] = 
     consecutive heads; see ``ops.py``) and return the node that now stands for ``region.pv``."""
     graph = region.pv.graph
     score_shape = _val(region.score_root).shape
-    formula, mask_nodes = position_masks(region.chain, len(score_shape)) if region.softmax else (None, [])
-    skippable = skippable_positions(region.chain, len(score_shape)) if region.softmax else None
+    formula, mask_nodes, skippable = position_masks(region.chain, len(score_shape)) if region.softmax else (None, [], None)
     id_mask = _summarised_id_mask(region) if region.softmax and config.block_skipping else None
     droppable = [*mask_nodes, *([id_mask.where] if id_mask is not None and id_mask.alone else [])]
     unmasked = _score_chain_module(region, frozenset(droppable)) if droppable and config.split_visible_tiles else None

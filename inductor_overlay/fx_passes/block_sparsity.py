@@ -123,41 +123,35 @@ def masked_terms(where: torch.fx.Node) -> Optional[list[tuple[object, bool]]]:
 
 
 def _or_terms(node: object, negated: bool) -> list[tuple[object, bool]]:
-    if _is_call(node, aten.logical_not.default, aten.bitwise_not.default):
+    if is_op(node, (aten.logical_not.default, aten.bitwise_not.default)):
         return _or_terms(node.args[0], not negated)
     joins = (aten.logical_and.default, aten.bitwise_and.Tensor) if negated else (aten.logical_or.default, aten.bitwise_or.Tensor)
-    if _is_call(node, *joins):
+    if is_op(node, joins):
         return _or_terms(node.args[0], negated) + _or_terms(node.args[1], negated)
     return [(node, negated)]
 
 
-def position_masks(chain: list[torch.fx.Node], logits_rank: int) -> tuple[Optional[sympy.Boolean], list[torch.fx.Node]]:
-    """A formula over (m, n) true where the chain sets the logit to -inf by position alone (or None), and the
-    ``where`` nodes that do it."""
+def position_masks(
+    chain: list[torch.fx.Node], logits_rank: int
+) -> tuple[Optional[sympy.Boolean], list[torch.fx.Node], Optional[sympy.Boolean]]:
+    """Formulas over (m, n) of where the chain sets the logit to -inf by position, and the ``where`` nodes that
+    do it. The first formula covers the masks whose every term is a position term: only those may be dropped from
+    entirely visible tiles (the nodes). The third also has the position terms of masks that combine positions with
+    terms no formula bounds (``doc[m] == doc[n] & n <= m``): it implies -inf, enough to skip a tile."""
     axis_of = _axes(chain, logits_rank)
-    masks, nodes = [], []
+    complete, nodes, skippable = [], [], []
     for node in chain:
-        known = _known_terms(node, axis_of)
-        if known is not None and len(known) == len(masked_terms(node)):
-            masks.append(sympy.Or(*known))
+        terms = masked_terms(node)
+        known = _known_terms(terms or [], axis_of)
+        skippable += known
+        if terms and len(known) == len(terms):
+            complete.append(sympy.Or(*known))
             nodes.append(node)
-    return (sympy.Or(*masks) if masks else None), nodes
+    return (sympy.Or(*complete) if complete else None), nodes, (sympy.Or(*skippable) if skippable else None)
 
 
-def skippable_positions(chain: list[torch.fx.Node], logits_rank: int) -> Optional[sympy.Boolean]:
-    """A formula over (m, n) that implies the logit is -inf: every position term of every mask, also of masks that
-    combine positions with terms no formula bounds (``doc[m] == doc[n] & n <= m``). Enough to skip a tile; only
-    :func:`position_masks`' complete formula may drop a mask from entirely visible tiles."""
-    axis_of = _axes(chain, logits_rank)
-    terms = [term for node in chain for term in (_known_terms(node, axis_of) or [])]
-    return sympy.Or(*terms) if terms else None
-
-
-def _known_terms(node: torch.fx.Node, axis_of: dict) -> Optional[list[sympy.Boolean]]:
+def _known_terms(terms: list[tuple[object, bool]], axis_of: dict) -> list[sympy.Boolean]:
     """The formulas of the terms of a -inf mask (``masked_terms``) that depend on positions alone."""
-    terms = masked_terms(node)
-    if terms is None:
-        return None
     known = []
     for term, negated in terms:
         try:
@@ -189,10 +183,10 @@ def matched_id_masks(chain: list[torch.fx.Node], scores: torch.fx.Node) -> list[
     for node in chain:
         terms = masked_terms(node) or []
         for term, negated in terms:
-            if not (_is_call(term, aten.eq.Tensor) and negated) and not (_is_call(term, aten.ne.Tensor) and not negated):
+            if not (is_op(term, aten.eq.Tensor) and negated) and not (is_op(term, aten.ne.Tensor) and not negated):
                 continue
             sides = sorted(term.args[:2], key=lambda side: _varying_axis(side) or 0)
-            if [_varying_axis(side) for side in sides] == [-2, -1] and not any(_reads(side, scores) for side in sides):
+            if [_varying_axis(side) for side in sides] == [-2, -1] and not any(depends_on(side, scores, {}) for side in sides):
                 found.append(IdMask(node, sides[0], sides[1], alone=len(terms) == 1))
     return found
 
@@ -201,7 +195,9 @@ def matched_id_masks(chain: list[torch.fx.Node], scores: torch.fx.Node) -> list[
 IDS_ALL_EQUAL = "((row_id_lo == row_id_hi) & (tl.min(col_ids, 1) == row_id_lo) & (tl.max(col_ids, 1) == row_id_lo))"
 
 
-def _is_call(node: object, *targets: object) -> bool:
+def is_op(node: object, targets: object) -> bool:
+    """Whether ``node`` calls ``targets`` (one op or a tuple of them)."""
+    targets = targets if isinstance(targets, tuple) else (targets,)
     return isinstance(node, torch.fx.Node) and node.op == "call_function" and node.target in targets
 
 
@@ -220,18 +216,13 @@ def _varying_axis(node: object) -> Optional[int]:
     return None
 
 
-def _reads(node: torch.fx.Node, source: torch.fx.Node) -> bool:
-    """Whether ``node`` is computed from ``source``."""
-    pending, seen = [node], set()
-    while pending:
-        current = pending.pop()
-        if current is source:
-            return True
-        if current in seen:
-            continue
-        seen.add(current)
-        pending.extend(current.all_input_nodes)
-    return False
+def depends_on(node: torch.fx.Node, target: torch.fx.Node, memo: dict) -> bool:
+    """Whether ``node`` is computed from ``target`` (``memo`` caches the answer per node, for one target)."""
+    if node is target:
+        return True
+    if node not in memo:
+        memo[node] = any(depends_on(arg, target, memo) for arg in node.all_input_nodes)
+    return memo[node]
 
 
 # ---------------------------------------------------------------------------------------------- interval codegen

@@ -26,13 +26,13 @@ from inductor_overlay.fx_passes.attention_fusion import (
     call_op,
     Decline,
     _batch_source,
-    _depends_on,
     _is,
     _strip_order_preserving,
     _val,
     find_attention,
     fuse,
 )
+from inductor_overlay.fx_passes.block_sparsity import depends_on
 
 log = logging.getLogger("flashlight.attention_fusion")
 
@@ -78,7 +78,7 @@ class _Combination:
         return True
 
     def coefficients_independent(self) -> bool:
-        return not any(_depends_on(c, self.heads, {}) for c in self.coefficients)
+        return not any(depends_on(c, self.heads, {}) for c in self.coefficients)
 
     def match(self, node: torch.fx.Node, shape: tuple, top: bool = True) -> bool:
         """Whether ``node`` is a linear combination of head slices, each op used once and keeping ``shape``."""
