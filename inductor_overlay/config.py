@@ -38,6 +38,10 @@ combine_head_groups_in_kernel: bool = os.environ.get("FLASHLIGHT_COMBINE_HEAD_GR
 # sequences a one-tile-per-step scan costs as much as the visible tiles' work (sliding windows).
 vector_tile_scan: bool = os.environ.get("FLASHLIGHT_VECTOR_TILE_SCAN", "1") != "0"
 
+# A boolean mask passed in as a tensor is reduced by the graph, once per call, to a table of per-cell states
+# (none / some / all masked) that the block-skipping pre-pass reads, as FlexAttention's BlockMask but derived.
+mask_tensor_tables: bool = os.environ.get("FLASHLIGHT_MASK_TENSOR_TABLES", "1") != "0"
+
 # A sum over at most this many elements of values that do not depend on the scores (IPA's squared distance
 # between query and key points) moves into the score chain, unrolled per tile element, instead of being
 # materialised as an M×N tensor the kernel reads.

@@ -44,6 +44,9 @@ class ScoreChain:
     # (scores, *captured) -> per-row ids and -> per-column ids, each broadcast to the score shape, of a mask that
     # keeps a logit only where the two are equal (document masking): the kernel skips tiles whose ids are disjoint.
     id_graph_modules: Optional[tuple[torch.fx.GraphModule, torch.fx.GraphModule]] = None
+    # (scores, *captured) -> the cell states of a mask passed in as a tensor (``block_sparsity.TensorMask``), as
+    # ``[*batch, ⌈M/c⌉, ⌈N/c⌉]`` with c = MASK_TABLE_CELL: the kernel skips tiles all of whose cells are masked.
+    mask_table_module: Optional[torch.fx.GraphModule] = None
 
 
 SCORE_CHAINS: dict[int, ScoreChain] = {}

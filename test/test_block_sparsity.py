@@ -235,3 +235,90 @@ def test_ids_with_another_term_keep_their_mask_in_every_tile():
     FileCheck().check("masked = (((n_lo + (-1 * m_hi)) > 0)) | ids_disjoint").check_not("visible = ").run(kernel)
     assert testing.column_tile_loops(kernel) == 1
     testing.assert_close_to_reference(out, causal_within_documents(q.double(), k.double(), v.double(), ids, ids))
+
+
+def keep_masked_fill(q, k, v, keep):
+    return torch.softmax((q @ k.transpose(-2, -1) * 0.25).masked_fill(~keep, float("-inf")), dim=-1) @ v
+
+
+def keep_where(q, k, v, keep):
+    return torch.softmax(torch.where(keep, q @ k.transpose(-2, -1), float("-inf")), dim=-1) @ v
+
+
+def keep_and_causal(q, k, v, keep):
+    rows, cols = torch.arange(q.shape[-2])[:, None], torch.arange(k.shape[-2])[None, :]
+    return torch.softmax((q @ k.transpose(-2, -1)).masked_fill(~(keep & (cols <= rows)), float("-inf")), dim=-1) @ v
+
+
+def _random_blocky_mask(batch, rows, cols):
+    """Whole 32×32 blocks kept or dropped at random, a few single elements flipped, and one row with nothing kept."""
+    cell = block_sparsity.MASK_TABLE_CELL
+    blocks = torch.rand(batch, 1, -(-rows // cell), -(-cols // cell)) < 0.5
+    keep = blocks.repeat_interleave(cell, -2).repeat_interleave(cell, -1)[..., :rows, :cols].clone()
+    flips = torch.rand(keep.shape) < 0.01
+    keep ^= flips
+    keep[..., 7, :] = False
+    return keep
+
+
+@pytest.mark.parametrize("fn", [keep_masked_fill, keep_where, keep_and_causal])
+@pytest.mark.parametrize("shape", ["causal", "per_batch_random"])
+def test_mask_tensor_gets_a_graph_level_tile_table(fn, shape):
+    """A boolean mask passed in cannot be bounded by a formula: the graph reduces it once per call (over its own
+    batch dims, not the heads it broadcasts over) to a table of 32×32 cell states, and the pre-pass skips tiles all
+    of whose cells are masked. Exact, with NaN rows where a row keeps nothing; ragged sizes (100 rows) included."""
+    q, k, v = (torch.randn(2, 2, 100, 16) for _ in range(3))
+    if shape == "causal":
+        keep = torch.ones(100, 100, dtype=torch.bool).tril()
+        keep[5] = False
+    else:
+        keep = _random_blocky_mask(2, 100, 100)
+    with testing.cpu_triton():
+        out, code = testing.compile_and_get_code(fn, q, k, v, keep)
+    kernel = next(text for text in testing.triton_kernels(code).values() if "for start_n in range(" in text)
+    FileCheck().check("for scan_n in range(").check("for row_cell in tl.static_range(CELLS_M):").check(
+        "cell_states = "
+    ).check("| (table_lo == 2) | (n_lo >= N)").check("for start_n in range(first_n, ").run(kernel)
+    cells = -(-100 // block_sparsity.MASK_TABLE_CELL)
+    assert max(testing.allocated_buffer_numels(code)) <= max(2 * 2 * 100 * 16, keep.shape[0] * cells * cells)
+    expected = fn(q.double(), k.double(), v.double(), keep)
+    assert torch.equal(out.isnan(), expected.isnan())
+    testing.assert_close_to_reference(out, expected)
+
+
+def test_tiles_a_mask_tensor_drops_are_never_read():
+    """Keys no row keeps (columns 64.. of the mask: cell column 2) sit in tiles the table marks entirely masked:
+    poisoned values there never reach the output, so the pre-pass really skipped them."""
+    q, k, v = (torch.randn(1, 2, 96, 16) for _ in range(3))
+    keep = torch.rand(96, 96) < 0.7
+    keep[:, 64:] = False
+    poisoned = v.clone()
+    poisoned[:, :, 64:] = float("nan")
+    with testing.cpu_triton():
+        out, _ = testing.compile_and_get_code(keep_masked_fill, q, k, poisoned, keep)
+    testing.assert_close_to_reference(out, keep_masked_fill(q.double(), k.double(), v.double(), keep))
+
+
+def test_tiles_a_mask_tensor_keeps_whole_run_the_chain_without_it():
+    """Causal keep passed in: tiles whose cells mask nothing get the loop that runs the chain with no mask load."""
+    q, k, v = (torch.randn(1, 2, 128, 16) for _ in range(3))
+    keep = torch.ones(128, 128, dtype=torch.bool).tril()
+    with testing.cpu_triton():
+        out, code = testing.compile_and_get_code(keep_masked_fill, q, k, v, keep)
+    kernel = next(text for text in testing.triton_kernels(code).values() if "for start_n in range(" in text)
+    FileCheck().check("visible = ~masked & (((table_hi == 0)))").run(kernel)
+    assert testing.column_tile_loops(kernel) == 3
+    partial_before, visible, partial_after = (loop.split("logits = tmp")[0] for loop in kernel.split("for start_n in range(")[1:])
+    assert "tl.where(" in partial_before and "tl.where(" in partial_after
+    assert "tl.where(" not in visible and "tl.load(" not in visible.split("scores = tl.dot")[1]
+    testing.assert_close_to_reference(out, keep_masked_fill(q.double(), k.double(), v.double(), keep))
+
+
+def test_mask_tensor_table_flag_off_reads_every_tile():
+    q, k, v = (torch.randn(1, 2, 64, 16) for _ in range(3))
+    keep = torch.ones(64, 64, dtype=torch.bool).tril()
+    with testing.cpu_triton(), config.patch(mask_tensor_tables=False):
+        out, code = testing.compile_and_get_code(keep_masked_fill, q, k, v, keep)
+    kernel = "\n".join(testing.triton_kernels(code).values())
+    FileCheck().check_not("cell_states").check("first_n, end_n = 0, N").run(kernel)
+    testing.assert_close_to_reference(out, keep_masked_fill(q.double(), k.double(), v.double(), keep))

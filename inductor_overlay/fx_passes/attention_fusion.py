@@ -48,12 +48,16 @@ from torch._dynamo.utils import counters
 from inductor_overlay import config
 from inductor_overlay.fx_passes.block_sparsity import (
     IDS_ALL_EQUAL,
+    MASK_TABLE_CELL,
+    TABLE_CELLS_UNMASKED,
     IdMask,
+    TensorMask,
     depends_on,
     fully_masked_tile_code,
     fully_visible_tile_code,
     is_minus_inf,
     matched_id_masks,
+    matched_tensor_masks,
     position_masks,
 )
 from inductor_overlay.fx_passes.block_sparsity import is_op as _is
@@ -597,13 +601,45 @@ def _summarised_id_mask(region: AttentionRegion) -> Optional[IdMask]:
     return next((mask for mask in masks if {mask.rows, mask.columns} <= known), None)
 
 
-def _visible_tile_code(formula: Optional[sympy.Boolean], id_mask: Optional[IdMask]) -> str:
+def _visible_tile_code(formula: Optional[sympy.Boolean], id_mask: Optional[IdMask], tensor_mask: Optional[TensorMask]) -> str:
     """The test that none of the dropped masks masks any element of a tile: position masks by their formula, an
-    id-equality mask alone in its ``where`` when all the tile's ids are one value."""
+    id-equality mask alone in its ``where`` when all the tile's ids are one value, a mask tensor alone in its
+    ``where`` when its table says no cell of the tile masks anything."""
     parts = [fully_visible_tile_code(formula)] if formula is not None else []
     if id_mask is not None and id_mask.alone:
         parts.append(IDS_ALL_EQUAL)
+    if tensor_mask is not None and tensor_mask.alone:
+        parts.append(TABLE_CELLS_UNMASKED)
     return " & ".join(f"({part})" for part in parts)
+
+
+def _mask_table(graph: torch.fx.Graph, mask: TensorMask) -> torch.fx.Node:
+    """Graph nodes reducing a mask tensor ``[*lead, M, N]`` to its cell states ``[*lead, ⌈M/c⌉, ⌈N/c⌉]`` (int8;
+    see ``MASK_TABLE_CELL``), once per call. Elements past M or N count as masked for "all masked" and as unmasked
+    for "some masked": the kernel masks them by bounds anyway, and never drops its bounds test."""
+    masked = mask.term if not mask.negated else call_op(graph, aten.logical_not.default, (mask.term,))
+    masked = call_op(graph, prims.convert_element_type.default, (masked, torch.int8))
+    *lead, rows, columns = _val(masked).shape
+    cell = MASK_TABLE_CELL
+    row_cells, column_cells = -(-rows // cell), -(-columns // cell)
+
+    def reduced_per_cell(outside: int, reduction: Any) -> torch.fx.Node:
+        padded = masked
+        if rows % cell or columns % cell:
+            padded = call_op(graph, aten.constant_pad_nd.default, (masked, [0, -columns % cell, 0, -rows % cell], outside))
+        cells = call_op(graph, aten.reshape.default, (padded, [*lead, row_cells, cell, column_cells, cell]))
+        return call_op(graph, reduction, (cells, [-3, -1]))
+
+    return call_op(graph, aten.add.Tensor, (reduced_per_cell(0, aten.amax.default), reduced_per_cell(1, aten.amin.default)))
+
+
+def _mask_table_module(region: AttentionRegion, table: torch.fx.Node, batch: list) -> torch.fx.GraphModule:
+    """(scores, *captured) -> the mask table expanded to ``[*batch, row cells, column cells]``: the kernel reads it
+    at cell positions, as the chain reads a tensor at element positions."""
+    graph, env = _chain_inputs(region)
+    graph.output(graph.call_function(aten.expand.default, (env[table], [*batch, *_val(table).shape[-2:]])))
+    graph.eliminate_dead_code()
+    return torch.fx.GraphModule(torch.nn.Module(), graph)
 
 
 def _chain_value_module(region: AttentionRegion, value: torch.fx.Node, shape: list) -> torch.fx.GraphModule:
@@ -669,10 +705,18 @@ def fuse(region: AttentionRegion, group_coefficients: Optional[torch.fx.Node] = 
     score_shape = _val(region.score_root).shape
     formula, mask_nodes, skippable = position_masks(region.chain, len(score_shape)) if region.softmax else (None, [], None)
     id_mask = _summarised_id_mask(region) if region.softmax and config.block_skipping else None
+    tensor_masks = matched_tensor_masks(region.chain, region.score_root, len(score_shape)) if region.softmax else []
+    tensor_mask = tensor_masks[0] if tensor_masks and config.block_skipping and config.mask_tensor_tables else None
+    mask_table = None
+    if tensor_mask is not None:
+        with graph.inserting_before(region.pv):
+            mask_table = _mask_table(graph, tensor_mask)
+        region = dataclasses.replace(region, captured=[*region.captured, mask_table])
     droppable = [*mask_nodes, *([id_mask.where] if id_mask is not None and id_mask.alone else [])]
+    droppable += [tensor_mask.where] if tensor_mask is not None and tensor_mask.alone else []
     unmasked = _score_chain_module(region, frozenset(droppable)) if droppable and config.split_visible_tiles else None
     split = unmasked is not None and _worth_a_visible_loop(unmasked, region)
-    visible_tile_code = _visible_tile_code(formula, id_mask) if split else None
+    visible_tile_code = _visible_tile_code(formula, id_mask, tensor_mask) if split else None
     chain_id = register_score_chain(
         ScoreChain(
             graph_module=_score_chain_module(region),
@@ -688,6 +732,7 @@ def fuse(region: AttentionRegion, group_coefficients: Optional[torch.fx.Node] = 
             id_graph_modules=None if id_mask is None else tuple(
                 _chain_value_module(region, ids, list(score_shape)) for ids in (id_mask.rows, id_mask.columns)
             ),
+            mask_table_module=None if mask_table is None else _mask_table_module(region, mask_table, list(score_shape[:-2]) or [1]),
         )
     )
     # The fused node stands where the first of its outputs was computed.

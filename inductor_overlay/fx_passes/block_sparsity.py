@@ -183,16 +183,69 @@ def matched_id_masks(chain: list[torch.fx.Node], scores: torch.fx.Node) -> list[
     for node in chain:
         terms = masked_terms(node) or []
         for term, negated in terms:
-            if not (is_op(term, aten.eq.Tensor) and negated) and not (is_op(term, aten.ne.Tensor) and not negated):
-                continue
-            sides = sorted(term.args[:2], key=lambda side: _varying_axis(side) or 0)
-            if [_varying_axis(side) for side in sides] == [-2, -1] and not any(depends_on(side, scores, {}) for side in sides):
+            sides = _id_sides(term, negated, scores)
+            if sides is not None:
                 found.append(IdMask(node, sides[0], sides[1], alone=len(terms) == 1))
+    return found
+
+
+def _id_sides(term: object, negated: bool, scores: torch.fx.Node) -> Optional[tuple[torch.fx.Node, torch.fx.Node]]:
+    """(per-row ids, per-column ids) when the term masks where the two differ, else None."""
+    if not (is_op(term, aten.eq.Tensor) and negated) and not (is_op(term, aten.ne.Tensor) and not negated):
+        return None
+    sides = sorted(term.args[:2], key=lambda side: _varying_axis(side) or 0)
+    if [_varying_axis(side) for side in sides] == [-2, -1] and not any(depends_on(side, scores, {}) for side in sides):
+        return sides[0], sides[1]
+    return None
+
+
+# A mask passed in as a tensor is summarised per cell of MASK_TABLE_CELL x MASK_TABLE_CELL elements: every kernel
+# tile is a whole number of cells or lies inside one. A cell's state counts what holds of its elements:
+# 0 none masked, 1 some masked, 2 all masked.
+MASK_TABLE_CELL = 32
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorMask:
+    """A ``where`` that sets a logit to -inf where a boolean tensor, varying along rows and columns, says so (a mask
+    passed in: ``scores.masked_fill(~keep, -inf)``). No formula bounds it and reading it per tile costs as much as
+    using it, so the graph reduces it once per call, over its own batch dims only (shared by all heads it
+    broadcasts over), to a table of cell states that the kernel's pre-pass reads."""
+
+    where: torch.fx.Node
+    term: torch.fx.Node  # the boolean tensor; the logit is -inf where it is true (``negated``: where it is false)
+    negated: bool
+    alone: bool  # the term is the mask's only one: where no cell of a tile masks, the mask keeps the tile whole
+
+
+def matched_tensor_masks(chain: list[torch.fx.Node], scores: torch.fx.Node, logits_rank: int) -> list[TensorMask]:
+    """Every -inf mask term that is a boolean tensor of the scores' last two dims, computed without the scores,
+    that neither a position formula nor an id summary covers."""
+    axis_of = _axes(chain, logits_rank)
+    score_columns = tuple(scores.meta["val"].shape[-2:])
+    found = []
+    for node in chain:
+        terms = masked_terms(node) or []
+        for term, negated in terms:
+            value = term.meta.get("val") if isinstance(term, torch.fx.Node) else None
+            if (
+                isinstance(value, torch.Tensor)
+                and value.dtype is torch.bool
+                and tuple(value.shape[-2:]) == score_columns
+                and all(isinstance(size, int) for size in value.shape)
+                and not _known_terms([(term, negated)], axis_of)
+                and _id_sides(term, negated, scores) is None
+                and not depends_on(term, scores, {})
+            ):
+                found.append(TensorMask(node, term, negated, alone=len(terms) == 1))
     return found
 
 
 # Over the row tile's id range [row_id_lo, row_id_hi] and the column ids of SCAN_TILES tiles ([SCAN_TILES, BLOCK_N]).
 IDS_ALL_EQUAL = "((row_id_lo == row_id_hi) & (tl.min(col_ids, 1) == row_id_lo) & (tl.max(col_ids, 1) == row_id_lo))"
+
+# Over the states of the cells of SCAN_TILES tiles (the pre-pass's ``table_hi``): no cell masks any element.
+TABLE_CELLS_UNMASKED = "(table_hi == 0)"
 
 
 def is_op(node: object, targets: object) -> bool:

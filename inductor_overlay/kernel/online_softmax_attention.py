@@ -34,6 +34,7 @@ from torch._inductor.virtualized import ops
 from torch.utils._sympy.functions import ModularIndexing
 
 from inductor_overlay import config as overlay_config
+from inductor_overlay.fx_passes.block_sparsity import MASK_TABLE_CELL
 from inductor_overlay.ops import SCORE_CHAINS
 
 # Dimension elimination keeps a whole head dim in one tile; above this a tile would not fit in registers.
@@ -243,7 +244,7 @@ VISIBLE_TILES = """# Block skipping: tiles whose every element the mask sets to 
     for scan_n in range(0, N, BLOCK_N * SCAN_TILES):
         n_lo = scan_n + tl.arange(0, SCAN_TILES) * BLOCK_N  # SCAN_TILES tiles' column ranges [n_lo, n_hi]
         n_hi = tl.minimum(n_lo + BLOCK_N, N) - 1COLUMN_TESTS
-        masked = (FULLY_MASKED)ID_DISJOINT | (n_lo >= N)
+        masked = (FULLY_MASKED)SUMMARY_MASKED | (n_lo >= N)
         first_n = tl.minimum(first_n, tl.min(tl.where(masked, N, n_lo), 0))
         end_n = tl.maximum(end_n, tl.max(tl.where(masked, 0, n_lo + BLOCK_N), 0))"""
 
@@ -263,19 +264,49 @@ COLUMN_ID_TEST = """
         ids_disjoint = (tl.max(col_ids, 1) < row_id_lo) | (tl.min(col_ids, 1) > row_id_hi)"""
 
 
-def _tile_range(masked_tile_code: Optional[str], visible_tile_code: Optional[str], id_subgraphs: Optional[tuple[int, int]]) -> str:
+# A mask passed in as a tensor is summarised by the graph, once per call, into a table of cell states (0 none of a
+# cell's elements masked, 1 some, 2 all; ``block_sparsity.MASK_TABLE_CELL``): the pre-pass reads the cells of each
+# tile instead of the mask's elements.
+TABLE_STATE = """
+    # This program's rows lie in CELLS_M rows of the mask table, from first_row_cell.
+    table_rows = (M + MASK_CELL - 1) // MASK_CELL
+    table_columns = (N + MASK_CELL - 1) // MASK_CELL
+    first_row_cell = m_lo // MASK_CELL"""
+
+TABLE_TEST = """
+        # Each column tile lies in CELLS_N columns of the table: the tile is entirely masked when all its cells are.
+        col_cells = tl.minimum(n_lo[:, None] // MASK_CELL + tl.arange(0, CELLS_N)[None, :], table_columns - 1)
+        table_lo = tl.full([SCAN_TILES], 2, tl.int32)
+        table_hi = tl.zeros([SCAN_TILES], tl.int32)
+        for row_cell in tl.static_range(CELLS_M):
+            row_cells = tl.minimum(first_row_cell + row_cell, table_rows - 1)
+            {{ modification(subgraph_number=MASK_TABLE, output_name="cell_states", score="scores", fl_z="fl_z", fl_m="row_cells", fl_n="col_cells", input_shapes={"score": ("SCAN_TILES", "CELLS_N"), "fl_z": (), "fl_m": (), "fl_n": ("SCAN_TILES", "CELLS_N")}) | indent_except_first(3) }}
+            table_lo = tl.minimum(table_lo, tl.min(cell_states.to(tl.int32), 1))
+            table_hi = tl.maximum(table_hi, tl.max(cell_states.to(tl.int32), 1))"""
+
+
+def _tile_range(
+    masked_tile_code: Optional[str], visible_tile_code: Optional[str], id_subgraphs: Optional[tuple[int, int]],
+    table_subgraph: Optional[int] = None,
+) -> str:
     """The code that sets [first_n, end_n) (and, with a visible-tile test, [full_lo, full_hi))."""
-    if masked_tile_code is None and visible_tile_code is None and id_subgraphs is None:
+    if masked_tile_code is None and visible_tile_code is None and id_subgraphs is None and table_subgraph is None:
         return ALL_TILES
-    ids = id_subgraphs is not None
+    ids, table = id_subgraphs is not None, table_subgraph is not None
     tile_range = (
         VISIBLE_TILES.replace("FULLY_MASKED", masked_tile_code or "(n_lo < 0)")
-        .replace("SCAN_STATE", (ROW_ID_RANGE if ids else "") + (VISIBLE_RANGE_STATE if visible_tile_code is not None else ""))
-        .replace("COLUMN_TESTS", COLUMN_ID_TEST if ids else "")
-        .replace("ID_DISJOINT", " | ids_disjoint" if ids else "")
+        .replace(
+            "SCAN_STATE",
+            (ROW_ID_RANGE if ids else "") + (TABLE_STATE if table else "")
+            + (VISIBLE_RANGE_STATE if visible_tile_code is not None else ""),
+        )
+        .replace("COLUMN_TESTS", (COLUMN_ID_TEST if ids else "") + (TABLE_TEST if table else ""))
+        .replace("SUMMARY_MASKED", (" | ids_disjoint" if ids else "") + (" | (table_lo == 2)" if table else ""))
     )
     if ids:
         tile_range = tile_range.replace("ROW_IDS", str(id_subgraphs[0])).replace("COLUMN_IDS", str(id_subgraphs[1]))
+    if table:
+        tile_range = tile_range.replace("MASK_TABLE", str(table_subgraph))
     if visible_tile_code is not None:
         tile_range += VISIBLE_RANGE.replace("FULLY_VISIBLE", visible_tile_code)
     return tile_range
@@ -320,12 +351,13 @@ def online_softmax_attention_template(
     pair_rank: Optional[int] = None,
     output_batch: tuple[int, ...] = (0,),
     id_subgraphs: Optional[tuple[int, int]] = None,
+    table_subgraph: Optional[int] = None,
 ) -> TritonTemplate:
     """The kernel template for operands with the given numbers of batch dims (q, kᵀ, v and, if there is a fourth,
     the sink), position mask (tests for entirely masked and entirely visible tiles), normalisation (softmax, or
     none), head groups (1: no combination), pair reduction (the per-pair tensor's batch dims, or None), output
-    batch dims (their sizes; one dim, of any size, for a flattened batch) and id-equality mask (the subgraphs of
-    its row and column ids, or None)."""
+    batch dims (their sizes; one dim, of any size, for a flattened batch), id-equality mask (the subgraphs of
+    its row and column ids, or None) and mask tensor (the subgraph of its cell states, or None)."""
     names = ["Q", "KT", "V", "SINK"][: len(batch_ranks)] + (["COEF"] if groups > 1 else [])
     if not softmax:
         state, accumulate, finish = LINEAR_STATE, LINEAR_ACCUMULATE, LINEAR_FINISH
@@ -336,7 +368,7 @@ def online_softmax_attention_template(
         batch_ranks = (*batch_ranks, pair_rank)
         state, finish = state + PAIR_STATE, finish + PAIR_FINISH
         accumulate = accumulate.replace("# acc = alpha * acc + P V", PAIR_ACCUMULATE + "# acc = alpha * acc + P V")
-    tile_range = _tile_range(masked_tile_code, visible_tile_code, id_subgraphs)
+    tile_range = _tile_range(masked_tile_code, visible_tile_code, id_subgraphs, table_subgraph)
     one_head = (
         ONE_HEAD.replace("N_LOOPS", ONE_LOOP if visible_tile_code is None else SPLIT_LOOPS)
         .replace("ROW_STATE", state)
@@ -517,6 +549,11 @@ def _lower_attention(q, kt, v, captured, sink, chain_id, group_coefficients=None
         id_subgraphs = (len(chains), len(chains) + 1)
         chains += list(chain.id_graph_modules)
     subgraphs = [_lower_score_chain(module, chain.score_dtype, score_size, device, list(captured)) for module in chains]
+    table_subgraph = None
+    if chain.mask_table_module is not None:
+        table_subgraph = len(subgraphs)
+        cells = [-(-V.graph.sizevars.guard_int(size) // MASK_TABLE_CELL) for size in (m, n)]
+        subgraphs.append(_lower_score_chain(chain.mask_table_module, chain.score_dtype, [*batch_shape, *cells], device, list(captured)))
     # Realised as they are: the kernel reads any strides (no stride-1 copy, unlike ``realize_inputs``).
     operands = [ir.ExternKernel.realize_input(t) for t in (q, kt, v, sink) if t is not None]
     ranks = tuple(len(t.get_size()) - 2 for t in operands)
@@ -541,7 +578,7 @@ def _lower_attention(q, kt, v, captured, sink, chain_id, group_coefficients=None
     template_key = (
         ranks, chain.masked_tile_code, chain.softmax, groups,
         chain.visible_tile_code if chain.unmasked_graph_module is not None else None, pair_rank,
-        tuple(output_batch) if output_batch is not None else (0,), id_subgraphs,
+        tuple(output_batch) if output_batch is not None else (0,), id_subgraphs, table_subgraph,
     )
     choices: list[Any] = []
     for config in kernel_configs(d, dv, device, groups, channels):
@@ -562,6 +599,9 @@ def _lower_attention(q, kt, v, captured, sink, chain_id, group_coefficients=None
             SINK_SCALE=chain.sink_scale * LOG2E,
             GROUPS=groups,
             SCAN_TILES=64 if overlay_config.vector_tile_scan else 1,
+            MASK_CELL=MASK_TABLE_CELL,
+            CELLS_M=max(config["BLOCK_M"] // MASK_TABLE_CELL, 1),
+            CELLS_N=max(config["BLOCK_N"] // MASK_TABLE_CELL, 1),
             DOT_PRECISION="'tf32'" if fp32_dot and torch.backends.cuda.matmul.allow_tf32 else "'ieee'",
             # Triton's interpreter multiplies 16-bit dot operands wrongly; it gets exact float32 ones instead.
             UPCAST_DOT_OPERANDS=_interpreting(),
