@@ -624,11 +624,15 @@ def _mask_table(graph: torch.fx.Graph, mask: TensorMask) -> torch.fx.Node:
     row_cells, column_cells = -(-rows // cell), -(-columns // cell)
 
     def reduced_per_cell(outside: int, reduction: Any) -> torch.fx.Node:
+        # Along each row's contiguous columns first, then across the cell's rows: two reductions that read memory
+        # in order (one over the 4-d cell view reads 32-byte pieces and ran at ~1.2 TB/s on the H100).
         padded = masked
         if rows % cell or columns % cell:
             padded = call_op(graph, aten.constant_pad_nd.default, (masked, [0, -columns % cell, 0, -rows % cell], outside))
-        cells = call_op(graph, aten.reshape.default, (padded, [*lead, row_cells, cell, column_cells, cell]))
-        return call_op(graph, reduction, (cells, [-3, -1]))
+        in_rows = call_op(graph, aten.reshape.default, (padded, [*lead, row_cells * cell, column_cells, cell]))
+        in_rows = call_op(graph, reduction, (in_rows, [-1]))
+        cells = call_op(graph, aten.reshape.default, (in_rows, [*lead, row_cells, cell, column_cells]))
+        return call_op(graph, reduction, (cells, [-2]))
 
     return call_op(graph, aten.add.Tensor, (reduced_per_cell(0, aten.amax.default), reduced_per_cell(1, aten.amin.default)))
 
@@ -654,16 +658,18 @@ def _chain_value_module(region: AttentionRegion, value: torch.fx.Node, shape: li
     return torch.fx.GraphModule(torch.nn.Module(), graph)
 
 
-def _worth_a_visible_loop(unmasked: torch.fx.GraphModule, region: AttentionRegion) -> bool:
+def _worth_a_visible_loop(unmasked: torch.fx.GraphModule, region: AttentionRegion, drops_mask_loads: bool) -> bool:
     """A loop of its own for entirely visible tiles pays where the mask is most of the per-element work: on the
     H100 it gave 6–15% at head dim 64 when the rest of the chain is only scaling (causal, prefix-LM, GQA), ~3% at
     128, and lost 21% on Gemma-2's soft-capped window, while it doubles the kernel's compile time
-    (benchmarks/results/h100_2026-11-22_split_visible_tiles/)."""
+    (benchmarks/results/h100_2026-11-22_split_visible_tiles/). A mask read per element from a tensor is worth it
+    at any head dim: at 128 its loads, in a loop with run-time bounds, spill registers (255 used, ~500 bytes of
+    spills in the loop) where the loop without them needs ~200."""
     scaling_only = all(
         node.op != "call_function" or node.target in (aten.mul.Tensor, aten.div.Tensor, prims.convert_element_type.default)
         for node in unmasked.graph.nodes
     )
-    return scaling_only and _val(region.q.node).shape[-1 if not region.q.transposed else -2] <= 64
+    return scaling_only and (drops_mask_loads or _val(region.q.node).shape[-1 if not region.q.transposed else -2] <= 64)
 
 
 def call_op(graph: torch.fx.Graph, target: Any, args: tuple, kwargs: Optional[dict] = None) -> torch.fx.Node:
@@ -715,7 +721,7 @@ def fuse(region: AttentionRegion, group_coefficients: Optional[torch.fx.Node] = 
     droppable = [*mask_nodes, *([id_mask.where] if id_mask is not None and id_mask.alone else [])]
     droppable += [tensor_mask.where] if tensor_mask is not None and tensor_mask.alone else []
     unmasked = _score_chain_module(region, frozenset(droppable)) if droppable and config.split_visible_tiles else None
-    split = unmasked is not None and _worth_a_visible_loop(unmasked, region)
+    split = unmasked is not None and _worth_a_visible_loop(unmasked, region, tensor_mask is not None and tensor_mask.alone)
     visible_tile_code = _visible_tile_code(formula, id_mask, tensor_mask) if split else None
     chain_id = register_score_chain(
         ScoreChain(
