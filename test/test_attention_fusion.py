@@ -254,3 +254,27 @@ def test_two_attention_layers_in_one_graph_both_fuse():
     (fused_kernel,) = [name for name in testing.triton_kernels(code) if name.startswith("triton_tem_")]
     FileCheck().check_count(f"{fused_kernel}.run(", 2, exactly=True).run("\n".join(code))  # one kernel, two calls
     testing.assert_close_to_reference(out, reference(two_layers, x, *weights), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("limit, dtype", [(200, "tl.int64"), (10**9, "tl.int32")])
+def test_positions_are_int64_when_a_tensor_the_chain_reads_is_too_large_for_int32(monkeypatch, limit, dtype):
+    """Inductor sizes a template's index dtype by its named inputs (q, kᵀ, v) and output; a per-head bias the chain
+    reads can be far larger ([H, S, S] at S = 16k is 4.3e9 elements, past int32). The positions the chain indexes
+    it with are int64 then. Here "too large for int32" is lowered to 200 elements: q, k, v and the output (96
+    each) fit, the bias (288) does not."""
+    from inductor_overlay.kernel import online_softmax_attention as kernel
+
+    monkeypatch.setattr(kernel, "expr_fits_within_32bit", lambda size: int(size) < limit)
+    q, k, v = (torch.randn(1, 2, 12, 4) for _ in range(3))
+    bias = torch.randn(2, 12, 12)
+
+    def biased(q, k, v, bias):
+        return torch.softmax(q @ k.transpose(-2, -1) + bias, dim=-1) @ v
+
+    with testing.cpu_triton():
+        out, code = testing.compile_and_get_code(biased, q, k, v, bias)
+    kernel_source = "\n".join(testing.triton_kernels(code).values())
+    FileCheck().check(f"POSITION_DTYPE : tl.constexpr = {dtype}").check("fl_m = offs_m[:, None].to(POSITION_DTYPE)").run(
+        kernel_source
+    )
+    testing.assert_close_to_reference(out, biased(q.double(), k.double(), v.double(), bias.double()))

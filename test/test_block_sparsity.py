@@ -322,3 +322,19 @@ def test_mask_tensor_table_flag_off_reads_every_tile():
     kernel = "\n".join(testing.triton_kernels(code).values())
     FileCheck().check_not("cell_states").check("first_n, end_n = 0, N").run(kernel)
     testing.assert_close_to_reference(out, keep_masked_fill(q.double(), k.double(), v.double(), keep))
+
+
+def test_autotuning_table_is_the_table_of_a_causal_mask():
+    """Autotuning times the kernel on ``causal_cell_states`` (a random table would skip nothing): it is exactly the
+    table the graph computes from a causal mask, ragged edge included."""
+    from inductor_overlay.kernel.online_softmax_attention import causal_cell_states
+
+    size, cell = 100, block_sparsity.MASK_TABLE_CELL
+    cells = -(-size // cell)
+    masked = ~torch.ones(size, size, dtype=torch.bool).tril()
+    padded_some = torch.nn.functional.pad(masked, (0, cells * cell - size, 0, cells * cell - size), value=False)
+    padded_all = torch.nn.functional.pad(masked, (0, cells * cell - size, 0, cells * cell - size), value=True)
+    some = padded_some.view(cells, cell, cells, cell).amax((1, 3))
+    every = padded_all.view(cells, cell, cells, cell).amin((1, 3))
+    expected = some.to(torch.int8) + every.to(torch.int8)
+    assert torch.equal(causal_cell_states([2, cells, cells], [0, cells, 1])[1], expected)

@@ -29,6 +29,7 @@ from torch._inductor.select_algorithm import (
     autotune_select_algorithm,
 )
 from torch._inductor.subgraph_lowering import PointwiseSubgraphLowering
+from torch._inductor.utils import expr_fits_within_32bit
 from torch._inductor.virtualized import V
 from torch._inductor.virtualized import ops
 from torch.utils._sympy.functions import ModularIndexing
@@ -67,11 +68,12 @@ ATTENTION_HEAD = r"""
     offs_dv = tl.arange(0, DV_TILE)
     row_in_bounds = offs_m[:, None] < M
     # Positions used by the user's score chain; clamped so its loads stay in bounds on ragged tiles (when M is a
-    # multiple of BLOCK_M there are none, and unclamped positions keep the chain's loads contiguous).
+    # multiple of BLOCK_M there are none, and unclamped positions keep the chain's loads contiguous). Int64 when a
+    # tensor the chain reads has more elements than int32 counts (a [H, S, S] bias at S = 16k).
     if EVEN_M:
-        fl_m = offs_m[:, None]
+        fl_m = offs_m[:, None].to(POSITION_DTYPE)
     else:
-        fl_m = tl.minimum(offs_m, M - 1)[:, None]
+        fl_m = tl.minimum(offs_m, M - 1)[:, None].to(POSITION_DTYPE)
 """
 
 # One head: the online-softmax pass over the column tiles for batch entry fl_z, leaving its result in acc.
@@ -98,9 +100,9 @@ N_LOOP = r"""for start_n in range(START, END, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         col_in_bounds = offs_n[None, :] < N
         if EVEN_N:
-            fl_n = offs_n[None, :]
+            fl_n = offs_n[None, :].to(POSITION_DTYPE)
         else:
-            fl_n = tl.minimum(offs_n, N - 1)[None, :]
+            fl_n = tl.minimum(offs_n, N - 1)[None, :].to(POSITION_DTYPE)
 
         # scores = Q Kᵀ for this tile, never written to memory.
         kt = tl.load(kt_base + offs_d[:, None] * {{stride("KT", -2)}} + offs_n[None, :] * {{stride("KT", -1)}},
@@ -334,7 +336,7 @@ VISIBLE_RANGE_STATE = """
 # normalised result, times the head's coefficient, into the output tile, so the per-head outputs never reach memory.
 GROUPED_HEADS = """    combined = tl.zeros([BLOCK_M, DV_TILE], tl.float32)
     for group in range(GROUPS):
-        fl_z = out_z * GROUPS + group
+        fl_z = (out_z * GROUPS + group).to(POSITION_DTYPE)
 ONE_HEAD
         combined += tl.load(COEF + group * {{stride("COEF", 0)}}).to(tl.float32) * acc
     acc = combined
@@ -379,7 +381,7 @@ def online_softmax_attention_template(
     for name, rank in zip(names, batch_ranks):
         one_head = one_head.replace(f"BATCH_OFFSET_{name}\n", f"{_batch_offset(name, rank)}\n")
     if groups == 1:
-        heads = "    fl_z = out_z\n" + one_head
+        heads = "    fl_z = out_z.to(POSITION_DTYPE)\n" + one_head
     else:
         nested = "\n".join("    " + line if line else line for line in one_head.splitlines())
         deeper = re.sub(r"indent_except_first\((\d)\)", lambda level: f"indent_except_first({int(level[1]) + 1})", nested)
@@ -440,6 +442,25 @@ def kernel_configs(d: int, dv: int, device: torch.device, groups: int = 1, pair_
     else:
         shapes = [(128, 64, 8, 3), (64, 64, 4, 2), (64, 32, 4, 2)]
     return [dict(BLOCK_M=m, BLOCK_N=n, num_warps=w, num_stages=s) for m, n, w, s in shapes]
+
+
+def causal_cell_states(sizes: Sequence[int], strides: Sequence[int], device: Any = "cpu") -> torch.Tensor:
+    """The mask table of a causal mask (``block_sparsity.MASK_TABLE_CELL``): all masked above the diagonal, some
+    on it, none below; int8 with the given sizes and strides."""
+    rows, columns = torch.arange(sizes[-2])[:, None], torch.arange(sizes[-1])[None, :]
+    states = (columns > rows).to(torch.int8) + (columns >= rows).to(torch.int8)
+    table = torch.empty_strided(sizes, strides, dtype=torch.int8, device=device)
+    written = table  # one copy per memory location: dims of stride 0 (broadcast) are written once
+    for dim, stride in enumerate(strides):
+        if stride == 0:
+            written = written.narrow(dim, 0, 1)
+    written.copy_(states.expand(written.shape))
+    return table
+
+
+def _causal_shaped_table(table: ir.Buffer) -> torch.Tensor:
+    hints = V.graph.sizevars.size_hint
+    return causal_cell_states([hints(s) for s in table.get_size()], [hints(s) for s in table.get_stride()], table.get_device())
 
 
 class _ConstantIndexAsConstant(V.WrapperHandler):  # type: ignore[name-defined]
@@ -556,7 +577,7 @@ def _lower_attention(q, kt, v, captured, sink, chain_id, group_coefficients=None
         subgraphs.append(_lower_score_chain(chain.mask_table_module, chain.score_dtype, [*batch_shape, *cells], device, list(captured)))
     # Realised as they are: the kernel reads any strides (no stride-1 copy, unlike ``realize_inputs``).
     operands = [ir.ExternKernel.realize_input(t) for t in (q, kt, v, sink) if t is not None]
-    ranks = tuple(len(t.get_size()) - 2 for t in operands)
+    ranks = tuple(len(t.get_size()) - 2 for t in [*operands, *captured])
     groups = 1
     if group_coefficients is not None:
         groups = int(group_coefficients.get_size()[0])
@@ -575,6 +596,9 @@ def _lower_attention(q, kt, v, captured, sink, chain_id, group_coefficients=None
     out_size = [*output_batch, m, dv] if output_batch is not None else [z, m, dv]
     layout = ir.FixedLayout(device, v.get_dtype(), out_size, ir.FlexibleLayout.contiguous_strides(out_size))
     fp32_dot = v.get_dtype() == torch.float32
+    # Inductor sizes a template's index dtype by its named inputs and output only; the chain also indexes the
+    # captured tensors, at positions the template computes.
+    wide = not all(expr_fits_within_32bit(t.get_layout().storage_size()) for t in [*operands, *captured])
     template_key = (
         ranks, chain.masked_tile_code, chain.softmax, groups,
         chain.visible_tile_code if chain.unmasked_graph_module is not None else None, pair_rank,
@@ -599,6 +623,7 @@ def _lower_attention(q, kt, v, captured, sink, chain_id, group_coefficients=None
             SINK_SCALE=chain.sink_scale * LOG2E,
             GROUPS=groups,
             SCAN_TILES=64 if overlay_config.vector_tile_scan else 1,
+            POSITION_DTYPE="tl.int64" if wide else "tl.int32",
             MASK_CELL=MASK_TABLE_CELL,
             CELLS_M=max(config["BLOCK_M"] // MASK_TABLE_CELL, 1),
             CELLS_N=max(config["BLOCK_N"] // MASK_TABLE_CELL, 1),
@@ -612,5 +637,9 @@ def _lower_attention(q, kt, v, captured, sink, chain_id, group_coefficients=None
         )
         if error is not None:
             raise error
-    out = autotune_select_algorithm("flashlight_attention", choices, [*operands, *captured], layout)
+    inputs = [*operands, *captured]
+    # Autotuning would time the kernel on random bytes for the mask table (a computed buffer), which skip nothing:
+    # it gets a causal-shaped table instead, the common mask passed in.
+    input_gen_fns = {len(inputs) - 1: _causal_shaped_table} if chain.mask_table_module is not None else None
+    out = autotune_select_algorithm("flashlight_attention", choices, inputs, layout, input_gen_fns=input_gen_fns)
     return out if pair_out is None else (out, pair_out)
