@@ -577,7 +577,7 @@ def _lower_attention(q, kt, v, captured, sink, chain_id, group_coefficients=None
         subgraphs.append(_lower_score_chain(chain.mask_table_module, chain.score_dtype, [*batch_shape, *cells], device, list(captured)))
     # Realised as they are: the kernel reads any strides (no stride-1 copy, unlike ``realize_inputs``).
     operands = [ir.ExternKernel.realize_input(t) for t in (q, kt, v, sink) if t is not None]
-    ranks = tuple(len(t.get_size()) - 2 for t in [*operands, *captured])
+    ranks = tuple(len(t.get_size()) - 2 for t in operands)
     groups = 1
     if group_coefficients is not None:
         groups = int(group_coefficients.get_size()[0])
