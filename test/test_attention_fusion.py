@@ -278,3 +278,22 @@ def test_positions_are_int64_when_a_tensor_the_chain_reads_is_too_large_for_int3
         kernel_source
     )
     testing.assert_close_to_reference(out, biased(q.double(), k.double(), v.double(), bias.double()))
+
+
+def test_several_tile_configs_autotune_on_the_cpu_harness(monkeypatch):
+    """The GPU autotunes among several configs, the CPU harness has one: with two here, every choice must render
+    from the same template and inputs (a mismatch falls back to upstream, which fault containment would hide)."""
+    from inductor_overlay.kernel import online_softmax_attention as kernel
+
+    configs = [dict(BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=1), dict(BLOCK_M=32, BLOCK_N=16, num_warps=4, num_stages=1)]
+    monkeypatch.setattr(kernel, "kernel_configs", lambda *_, **__: configs)
+    q, k, v = (torch.randn(1, 2, 64, 16) for _ in range(3))
+    keep = torch.ones(64, 64, dtype=torch.bool).tril()
+
+    def masked(q, k, v, keep):
+        return torch.softmax((q @ k.transpose(-2, -1)).masked_fill(~keep, float("-inf")), dim=-1) @ v
+
+    with testing.cpu_triton(), config.patch(fault_containment=False):
+        out, code = testing.compile_and_get_code(masked, q, k, v, keep)
+    FileCheck().check("cell_states = ").check("for start_n in range(").run("\n".join(testing.triton_kernels(code).values()))
+    testing.assert_close_to_reference(out, masked(q.double(), k.double(), v.double(), keep))

@@ -1,0 +1,44 @@
+"""Where the compile time of one attention goes (GPU): cProfile of its first call, from a fresh Inductor cache.
+
+    PYTHONPATH=. python tools/profile_compile.py causal_mask_tensor:boolean_passed_in 4x16x4096x64 > compile.txt
+
+Prints the wall time of the first call, then the functions with the most cumulative and the most own time.
+Autotuning compiles its choices in worker threads or processes: their time shows as waiting in the main thread.
+"""
+
+import cProfile
+import io
+import pstats
+import sys
+import time
+
+import torch
+from torch._inductor.utils import fresh_cache
+
+import flashlight
+from benchmarks.variants import VARIANTS, Shape, make_inputs
+
+
+def main() -> None:
+    flashlight.enable()
+    variant_name, idiom = sys.argv[1].split(":")
+    variant = VARIANTS[variant_name]
+    b, h, s, d = (int(part) for part in sys.argv[2].split("x"))
+    q, k, v, extras = make_inputs(variant, variant.adapt(Shape(b, h, s, s, d)), device="cuda", dtype=torch.bfloat16)
+    compiled = torch.compile(variant.idioms[idiom], dynamic=False)
+    profiler = cProfile.Profile()
+    with fresh_cache():
+        start = time.perf_counter()
+        profiler.enable()
+        compiled(q, k, v, **extras)
+        torch.cuda.synchronize()
+        profiler.disable()
+    print(f"{sys.argv[1]} {sys.argv[2]}: first call {time.perf_counter() - start:.1f} s")
+    for order, count in (("cumulative", 45), ("tottime", 25)):
+        text = io.StringIO()
+        pstats.Stats(profiler, stream=text).sort_stats(order).print_stats(count)
+        print(text.getvalue())
+
+
+if __name__ == "__main__":
+    main()
