@@ -283,8 +283,10 @@ TABLE_TEST = """
         for row_cell in tl.static_range(CELLS_M):
             row_cells = tl.minimum(first_row_cell + row_cell, table_rows - 1)
             {{ modification(subgraph_number=MASK_TABLE, output_name="cell_states", score="scores", fl_z="fl_z", fl_m="row_cells", fl_n="col_cells", input_shapes={"score": ("SCAN_TILES", "CELLS_N"), "fl_z": (), "fl_m": (), "fl_n": ("SCAN_TILES", "CELLS_N")}) | indent_except_first(3) }}
-            table_lo = tl.minimum(table_lo, tl.min(cell_states.to(tl.int32), 1))
-            table_hi = tl.maximum(table_hi, tl.max(cell_states.to(tl.int32), 1))"""
+            # (A table of one column has a constant index there: the load is a scalar.)
+            cell_states = tl.broadcast_to(cell_states.to(tl.int32), [SCAN_TILES, CELLS_N])
+            table_lo = tl.minimum(table_lo, tl.min(cell_states, 1))
+            table_hi = tl.maximum(table_hi, tl.max(cell_states, 1))"""
 
 
 def _tile_range(
