@@ -637,22 +637,13 @@ def _mask_table(graph: torch.fx.Graph, mask: TensorMask) -> torch.fx.Node:
     return call_op(graph, aten.add.Tensor, (reduced_per_cell(0, aten.amax.default), reduced_per_cell(1, aten.amin.default)))
 
 
-def _mask_table_module(region: AttentionRegion, table: torch.fx.Node, batch: list) -> torch.fx.GraphModule:
-    """(scores, *captured) -> the mask table expanded to ``[*batch, row cells, column cells]``: the kernel reads it
-    at cell positions, as the chain reads a tensor at element positions."""
-    graph, env = _chain_inputs(region)
-    graph.output(graph.call_function(aten.expand.default, (env[table], [*batch, *_val(table).shape[-2:]])))
-    graph.eliminate_dead_code()
-    return torch.fx.GraphModule(torch.nn.Module(), graph)
-
-
 def _chain_value_module(region: AttentionRegion, value: torch.fx.Node, shape: list) -> torch.fx.GraphModule:
-    """(scores, *captured) -> ``value`` (a node of the chain), expanded to ``shape``."""
+    """(scores, *captured) -> ``value`` (a node of the chain or a captured tensor), expanded to ``shape``."""
     graph, env = _chain_inputs(region)
     for node in region.chain:
-        env[node] = graph.node_copy(node, lambda arg: env[arg])
-        if node is value:
+        if value in env:
             break
+        env[node] = graph.node_copy(node, lambda arg: env[arg])
     graph.output(graph.call_function(aten.expand.default, (env[value], shape)))
     graph.eliminate_dead_code()
     return torch.fx.GraphModule(torch.nn.Module(), graph)
@@ -711,17 +702,19 @@ def fuse(region: AttentionRegion, group_coefficients: Optional[torch.fx.Node] = 
     score_shape = _val(region.score_root).shape
     formula, mask_nodes, skippable = position_masks(region.chain, len(score_shape)) if region.softmax else (None, [], None)
     id_mask = _summarised_id_mask(region) if region.softmax and config.block_skipping else None
-    tensor_masks = matched_tensor_masks(region.chain, region.score_root, len(score_shape)) if region.softmax else []
-    tensor_mask = tensor_masks[0] if tensor_masks and config.block_skipping and config.mask_tensor_tables else None
+    summarise_tensors = region.softmax and config.block_skipping and config.mask_tensor_tables
+    tensor_masks = matched_tensor_masks(region.chain, region.score_root, len(score_shape)) if summarise_tensors else []
+    tensor_mask = tensor_masks[0] if tensor_masks else None
     mask_table = None
     if tensor_mask is not None:
         with graph.inserting_before(region.pv):
             mask_table = _mask_table(graph, tensor_mask)
         region = dataclasses.replace(region, captured=[*region.captured, mask_table])
+    drops_mask_loads = tensor_mask is not None and tensor_mask.alone
     droppable = [*mask_nodes, *([id_mask.where] if id_mask is not None and id_mask.alone else [])]
-    droppable += [tensor_mask.where] if tensor_mask is not None and tensor_mask.alone else []
+    droppable += [tensor_mask.where] if drops_mask_loads else []
     unmasked = _score_chain_module(region, frozenset(droppable)) if droppable and config.split_visible_tiles else None
-    split = unmasked is not None and _worth_a_visible_loop(unmasked, region, tensor_mask is not None and tensor_mask.alone)
+    split = unmasked is not None and _worth_a_visible_loop(unmasked, region, drops_mask_loads)
     visible_tile_code = _visible_tile_code(formula, id_mask, tensor_mask) if split else None
     chain_id = register_score_chain(
         ScoreChain(
@@ -738,7 +731,9 @@ def fuse(region: AttentionRegion, group_coefficients: Optional[torch.fx.Node] = 
             id_graph_modules=None if id_mask is None else tuple(
                 _chain_value_module(region, ids, list(score_shape)) for ids in (id_mask.rows, id_mask.columns)
             ),
-            mask_table_module=None if mask_table is None else _mask_table_module(region, mask_table, list(score_shape[:-2]) or [1]),
+            mask_table_module=None if mask_table is None else _chain_value_module(
+                region, mask_table, [*(score_shape[:-2] or [1]), *_val(mask_table).shape[-2:]]
+            ),
         )
     )
     # The fused node stands where the first of its outputs was computed.
