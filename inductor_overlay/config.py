@@ -53,6 +53,10 @@ chain_reduction_max_elements: int = 16
 # 32 channels (S 768) and 0.78× at 128 (S 256: 16×16 tiles, too few programs), hence 64.
 pair_reduction_max_channels: int = 64
 
+# Row tiles are launched last first: under a causal mask (or any mask whose visible columns grow with the row)
+# the longest programs start first and the short ones fill the tail, as FlashAttention schedules them.
+last_rows_first: bool = os.environ.get("FLASHLIGHT_LAST_ROWS_FIRST", "1") != "0"
+
 # Skip key tiles that the user's position mask (causal, sliding window, ...) sets entirely to -inf.
 block_skipping: bool = os.environ.get("FLASHLIGHT_BLOCK_SKIPPING", "1") != "0"
 

@@ -118,6 +118,22 @@ def test_flag_off_visits_every_tile():
     testing.assert_close_to_reference(out, variants.causal_masked_fill(q.double(), k.double(), v.double()))
 
 
+@pytest.mark.parametrize("last_rows_first", [True, False])
+def test_row_tiles_launch_last_first(last_rows_first):
+    """Program 0 takes the last row tile (the causal mask's longest) when the flag is on, the first when it is off;
+    every row tile is still computed once (ragged last tile included), NaN rows as eager."""
+    q, k, v = (torch.randn(1, 2, 70, 16) for _ in range(3))
+    with testing.cpu_triton(), config.patch(last_rows_first=last_rows_first):
+        out, code = testing.compile_and_get_code(shifted_causal_with_empty_rows, q, k, v, fresh_cache=True)
+    kernel = "\n".join(testing.triton_kernels(code).values())
+    FileCheck().check(f"LAST_ROWS_FIRST : tl.constexpr = {last_rows_first}").check("row_tile = tl.program_id(0)").check(
+        "row_tile = tl.num_programs(0) - 1 - row_tile"
+    ).check("start_m = row_tile.to(").run(kernel)
+    expected = shifted_causal_with_empty_rows(q.double(), k.double(), v.double())
+    assert torch.equal(out.isnan(), expected.isnan())
+    testing.assert_close_to_reference(out, expected)
+
+
 def test_entirely_visible_tiles_run_the_chain_without_its_mask():
     """The loop over tiles the causal mask leaves entirely visible has no mask math; the loops over the tiles it
     cuts through keep the user's where(..., -inf, ...). Same result as eager, NaN rows included."""

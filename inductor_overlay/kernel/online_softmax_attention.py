@@ -62,7 +62,12 @@ ATTENTION_HEAD = r"""
 
     # This program owns rows [start_m, start_m + BLOCK_M) of one (flattened) output batch entry out_z.
     out_z = tl.program_id(1).to(INDEX_DTYPE)
-    start_m = tl.program_id(0).to(INDEX_DTYPE) * BLOCK_M
+    row_tile = tl.program_id(0)
+    if LAST_ROWS_FIRST:
+        # The GPU starts programs in launch order: under a causal mask the last rows see the most columns, so
+        # launching them first leaves the short row tiles to fill the machine at the end.
+        row_tile = tl.num_programs(0) - 1 - row_tile
+    start_m = row_tile.to(INDEX_DTYPE) * BLOCK_M
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, D_TILE)
     offs_dv = tl.arange(0, DV_TILE)
@@ -624,6 +629,7 @@ def _lower_attention(q, kt, v, captured, sink, chain_id, group_coefficients=None
             LOG2E=LOG2E,
             SINK_SCALE=chain.sink_scale * LOG2E,
             GROUPS=groups,
+            LAST_ROWS_FIRST=overlay_config.last_rows_first,
             SCAN_TILES=64 if overlay_config.vector_tile_scan else 1,
             POSITION_DTYPE="tl.int64" if wide else "tl.int32",
             MASK_CELL=MASK_TABLE_CELL,
