@@ -101,13 +101,15 @@ def bench_one(variant: Variant, shape: Shape, dtype: torch.dtype, impls: list[st
             if impl == "eager":
                 run = fn
             elif impl in ("compile", "flashlight", "flashlight_sdpa_off", "flashlight_unsplit", "flashlight_scalar_scan",
-                          "flashlight_no_skip", "flashlight_launch_in_order"):
+                          "flashlight_no_skip", "flashlight_launch_in_order",
+                          "flashlight_unfolded"):
                 policy = {
                     "flashlight_sdpa_off": {"sdpa_pattern_policy": "flashlight"},
                     "flashlight_unsplit": {"split_visible_tiles": False},
                     "flashlight_scalar_scan": {"vector_tile_scan": False},
                     "flashlight_no_skip": {"block_skipping": False},
                     "flashlight_launch_in_order": {"last_rows_first": False},
+                    "flashlight_unfolded": {"fold_logit_scale": False},
                 }.get(impl, {})
                 start = time.perf_counter()
                 run, _ = compiled(fn, overlay=impl != "compile", **policy)(q, k, v, **extras)

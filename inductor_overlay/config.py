@@ -53,6 +53,10 @@ chain_reduction_max_elements: int = 16
 # 32 channels (S 768) and 0.78× at 128 (S 256: 16×16 tiles, too few programs), hence 64.
 pair_reduction_max_channels: int = 64
 
+# A chain that only scales the scores by constants and masks them to -inf leaves its scale to the kernel's exp2
+# factor: one fma per logit scales it and subtracts the row max (fx_passes/logit_scale.py).
+fold_logit_scale: bool = os.environ.get("FLASHLIGHT_FOLD_LOGIT_SCALE", "1") != "0"
+
 # Row tiles are launched last first: under a causal mask (or any mask whose visible columns grow with the row)
 # the longest programs start first and the short ones fill the tail, as FlashAttention schedules them.
 last_rows_first: bool = os.environ.get("FLASHLIGHT_LAST_ROWS_FIRST", "1") != "0"

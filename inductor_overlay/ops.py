@@ -40,6 +40,9 @@ class ScoreChain:
     unmasked_graph_module: Optional[torch.fx.GraphModule] = None
     visible_tile_code: Optional[str] = None
     sink_scale: float = 1.0  # the softmax's logit scale, applied to the sink logit as to the others
+    # A positive constant factor of the chain's output that the fusion pass took out of the chain: the kernel
+    # applies it with log2(e) (``fx_passes/logit_scale.py``).
+    folded_scale: float = 1.0
     pair_dtype: Optional[torch.dtype] = None  # dtype of the pair reduction's result, when there is one
     # (scores, *captured) -> per-row ids and -> per-column ids, each broadcast to the score shape, of a mask that
     # keeps a logit only where the two are equal (document masking): the kernel skips tiles whose ids are disjoint.

@@ -61,6 +61,7 @@ from inductor_overlay.fx_passes.block_sparsity import (
     position_masks,
 )
 from inductor_overlay.fx_passes.block_sparsity import is_op as _is
+from inductor_overlay.fx_passes.logit_scale import fold_constant_scale
 from inductor_overlay.kernel.online_softmax_attention import MAX_HEAD_DIM
 from inductor_overlay.ops import ScoreChain, register_score_chain
 
@@ -695,6 +696,20 @@ def _hoist_before(node: torch.fx.Node, anchor: torch.fx.Node) -> None:
         anchor.prepend(moved)
 
 
+def _folded_chains(
+    region: AttentionRegion, chain: torch.fx.GraphModule, unmasked: Optional[torch.fx.GraphModule]
+) -> tuple[torch.fx.GraphModule, Optional[torch.fx.GraphModule], float]:
+    """The chains (whole, and without the dropped masks) with their constant scale folded into the kernel's exp2
+    factor (``logit_scale.fold_constant_scale``), and that scale; the chains as they are (scale 1) unless both fold
+    to the same scale."""
+    if not (region.softmax and config.fold_logit_scale):
+        return chain, unmasked, 1.0
+    folds = [fold_constant_scale(module) for module in (chain, unmasked) if module is not None]
+    if not all(folds) or len({scale for _, scale in folds}) != 1:
+        return chain, unmasked, 1.0
+    return folds[0][0], folds[1][0] if unmasked is not None else None, folds[0][1]
+
+
 def fuse(region: AttentionRegion, group_coefficients: Optional[torch.fx.Node] = None) -> torch.fx.Node:
     """Replace the region by one fused node (with ``group_coefficients``, the node also combines each group of
     consecutive heads; see ``ops.py``) and return the node that now stands for ``region.pv``."""
@@ -716,16 +731,20 @@ def fuse(region: AttentionRegion, group_coefficients: Optional[torch.fx.Node] = 
     unmasked = _score_chain_module(region, frozenset(droppable)) if droppable and config.split_visible_tiles else None
     split = unmasked is not None and _worth_a_visible_loop(unmasked, region, drops_mask_loads)
     visible_tile_code = _visible_tile_code(formula, id_mask, tensor_mask) if split else None
+    chain_module, unmasked_module, folded_scale = _folded_chains(
+        region, _score_chain_module(region), unmasked if visible_tile_code else None
+    )
     chain_id = register_score_chain(
         ScoreChain(
-            graph_module=_score_chain_module(region),
+            graph_module=chain_module,
             batch_shape=tuple(score_shape[:-2]) or (1,),
             score_dtype=_val(region.qk).dtype,
             probability_dtype=region.probability_dtype,
             masked_tile_code=fully_masked_tile_code(skippable) if config.block_skipping else None,
             softmax=region.softmax,
             sink_scale=region.logit_scale,
-            unmasked_graph_module=unmasked if visible_tile_code else None,
+            unmasked_graph_module=unmasked_module,
+            folded_scale=folded_scale,
             visible_tile_code=visible_tile_code,
             pair_dtype=_val(region.pair.result).dtype if region.pair is not None else None,
             id_graph_modules=None if id_mask is None else tuple(

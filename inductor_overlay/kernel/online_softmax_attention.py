@@ -165,15 +165,16 @@ SINK_STATE = """sink_base = SINK + BATCH_OFFSET_SINK
     acc = tl.zeros([BLOCK_M, DV_TILE], tl.float32)  # running sum of exp2(logit - m_i) * V"""
 
 SOFTMAX_ACCUMULATE = """if EVEN_N:
-            logits = logits.to(tl.float32) * LOG2E
+            logits = logits.to(tl.float32)
         else:
-            logits = tl.where(col_in_bounds, logits.to(tl.float32), float("-inf")) * LOG2E
+            logits = tl.where(col_in_bounds, logits.to(tl.float32), float("-inf"))
 
-        # Online softmax: new running max; alpha rescales everything accumulated under the old max.
-        m_new = tl.maximum(m_i, tl.max(logits, 1))
+        # Online softmax in the log2 domain (LOGIT_SCALE: log2(e) times the chain's folded constant scale, > 0, so
+        # it commutes with the max): new running max; alpha rescales everything accumulated under the old max.
+        m_new = tl.maximum(m_i, tl.max(logits, 1) * LOGIT_SCALE)
         m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows masked so far: keep exp2 finite
         alpha = tl.exp2(m_i - m_shift)
-        p = tl.exp2(logits - m_shift[:, None])
+        p = tl.exp2(logits * LOGIT_SCALE - m_shift[:, None])  # one fma per logit
         l_i = l_i * alpha + tl.sum(p, 1)
 
         # acc = alpha * acc + P V (the sum over N of the unnormalised probabilities times V).
@@ -626,7 +627,7 @@ def _lower_attention(q, kt, v, captured, sink, chain_id, group_coefficients=None
             DV_TILE=_tile(dv),
             C=channels,
             C_TILE=_tile(channels) if channels else 0,
-            LOG2E=LOG2E,
+            LOGIT_SCALE=LOG2E * chain.folded_scale,
             SINK_SCALE=chain.sink_scale * LOG2E,
             GROUPS=groups,
             LAST_ROWS_FIRST=overlay_config.last_rows_first,

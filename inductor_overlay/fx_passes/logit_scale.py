@@ -1,0 +1,84 @@
+"""Fold the score chain's constant scale into the kernel's exp2 factor.
+
+Most chains scale the scores by a constant (``/ sqrt(d)``) and mask some of them to -inf. The kernel multiplies the
+logits by log2(e) anyway; when the chain is only positive constant factors and -inf masks, the factors can join
+that multiply, so the kernel scales each logit and subtracts the row max in one fma instead of two multiplies and
+a subtraction. The row max commutes with a positive factor exactly (rounding is monotone), and -inf stays -inf.
+"""
+
+from __future__ import annotations
+
+import numbers
+from typing import Optional
+
+import torch
+
+from inductor_overlay.fx_passes.block_sparsity import is_minus_inf
+
+aten = torch.ops.aten
+prims = torch.ops.prims
+
+
+def _positive_constant(value: object) -> Optional[float]:
+    if isinstance(value, numbers.Real) and not isinstance(value, bool) and 0.0 < float(value) < float("inf"):
+        return float(value)
+    return None
+
+
+def _scale_step(node: torch.fx.Node, scaled: dict) -> Optional[tuple[torch.fx.Node, float]]:
+    """(input, factor) when ``node`` multiplies or divides a scaled value by a positive constant."""
+    if node.target not in (aten.mul.Tensor, aten.div.Tensor) or len(node.args) != 2:
+        return None
+    first, second = node.args
+    if node.target is aten.mul.Tensor and first not in scaled:
+        first, second = second, first
+    factor = _positive_constant(second)
+    if first not in scaled or factor is None:
+        return None
+    return first, factor if node.target is aten.mul.Tensor else 1.0 / factor
+
+
+def _passes_scale_through(node: torch.fx.Node, scaled: dict) -> bool:
+    """Nodes that commute with a positive factor: floating dtype conversions, and ``where`` choosing between the
+    scaled value and -inf (a mask whose condition does not read the scores)."""
+    if node.target is prims.convert_element_type.default:
+        return node.args[0] in scaled and node.args[1].is_floating_point
+    if node.target is aten.where.self:
+        condition, if_true, if_false = node.args
+        branches = [branch for branch in (if_true, if_false) if not is_minus_inf(branch)]
+        return condition not in scaled and len(branches) == 1 and branches[0] in scaled
+    return False
+
+
+def fold_constant_scale(module: torch.fx.GraphModule) -> Optional[tuple[torch.fx.GraphModule, float]]:
+    """The chain without its constant factors, and their product; None unless every node the scores reach is a
+    positive constant factor or passes the scale through (see above) and the output is the scaled value."""
+    graph = module.graph
+    score = next(node for node in graph.nodes if node.op == "placeholder")
+    scaled = {score: 1.0}  # nodes that are the scores times a known positive factor
+    bypass: dict[torch.fx.Node, torch.fx.Node] = {}
+    for node in graph.nodes:
+        if node.op != "call_function" or not any(arg in scaled for arg in node.all_input_nodes):
+            continue
+        step = _scale_step(node, scaled)
+        if step is not None:
+            scaled[node] = scaled[step[0]] * step[1]
+            bypass[node] = step[0]
+        elif _passes_scale_through(node, scaled):
+            source = next(arg for arg in node.all_input_nodes if arg in scaled)
+            scaled[node] = scaled[source]
+        else:
+            return None
+    output = next(node for node in graph.nodes if node.op == "output")
+    result = output.args[0]
+    if result not in scaled or not bypass:
+        return None
+    folded = torch.fx.Graph()
+    env: dict[torch.fx.Node, torch.fx.Node] = {}
+    for node in graph.nodes:
+        if node in bypass:
+            env[node] = env[bypass[node]]
+        else:
+            env[node] = folded.node_copy(node, lambda arg: env[arg])
+    folded.eliminate_dead_code()
+    return torch.fx.GraphModule(torch.nn.Module(), folded), scaled[result]

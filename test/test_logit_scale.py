@@ -1,0 +1,78 @@
+"""The chain's constant scale folded into the kernel's exp2 factor (``fx_passes/logit_scale.py``), CPU harness."""
+
+import math
+import re
+
+import pytest
+import torch
+from torch.testing import FileCheck
+
+from flashlight import testing
+from inductor_overlay import config
+from inductor_overlay.kernel.online_softmax_attention import LOG2E
+
+
+def _rows_cols(q, k):
+    return torch.arange(q.shape[-2])[:, None], torch.arange(k.shape[-2])[None, :]
+
+
+def causal_divided(q, k, v):
+    rows, cols = _rows_cols(q, k)
+    scores = (q @ k.transpose(-2, -1)) / math.sqrt(q.shape[-1])
+    return torch.softmax(scores.masked_fill(cols > rows - 20, float("-inf")), dim=-1) @ v  # first 20 rows: NaN
+
+
+def two_factors(q, k, v):
+    return torch.softmax(q @ k.transpose(-2, -1) * 0.5 * 0.3, dim=-1) @ v
+
+
+def negative_factor(q, k, v):
+    return torch.softmax(q @ k.transpose(-2, -1) * -0.5, dim=-1) @ v
+
+
+def biased_then_scaled(q, k, v):
+    rows, cols = _rows_cols(q, k)
+    return torch.softmax((q @ k.transpose(-2, -1) - 0.1 * (rows - cols).abs()) * 0.5, dim=-1) @ v
+
+
+def _logit_scale(kernel):
+    return float(re.search(r"LOGIT_SCALE : tl.constexpr = (\S+)", kernel)[1])
+
+
+def _compile(fn, *args, **patches):
+    with testing.cpu_triton(), config.patch(sdpa_pattern_policy="flashlight", **patches):
+        out, code = testing.compile_and_get_code(fn, *args, fresh_cache=True)
+    kernels = testing.triton_kernels(code)
+    assert len(kernels) == 1, list(kernels)
+    return out, next(iter(kernels.values()))
+
+
+@pytest.mark.parametrize(
+    "fn,factor", [(causal_divided, 0.25), (two_factors, 0.15)], ids=["causal-divided", "two-factors"]
+)
+def test_constant_scale_joins_the_exp2_factor(fn, factor):
+    """The chain keeps only its mask; every logit is scaled and shifted by the row max in one expression."""
+    q, k, v = (torch.randn(1, 2, 70, 16) for _ in range(3))
+    out, kernel = _compile(fn, q, k, v)
+    assert _logit_scale(kernel) == pytest.approx(factor * LOG2E, rel=1e-12)
+    FileCheck().check("scores = tl.dot(").check_not(" * 0.").check_not(" / ").check(
+        "p = tl.exp2(logits * LOGIT_SCALE - m_shift[:, None])"
+    ).run(kernel)
+    expected = fn(q.double(), k.double(), v.double())
+    assert torch.equal(out.isnan(), expected.isnan())
+    testing.assert_close_to_reference(out, expected)
+
+
+@pytest.mark.parametrize(
+    "fn,patches",
+    [(negative_factor, {}), (biased_then_scaled, {}), (two_factors, {"fold_logit_scale": False})],
+    ids=["negative-factor", "bias-before-scale", "flag-off"],
+)
+def test_scale_stays_in_the_chain_when_it_cannot_fold(fn, patches):
+    """A negative factor would turn the row max into a min, and a bias added before the scale does not commute
+    with it: the chain keeps its factors and the kernel's factor is log2(e) alone."""
+    q, k, v = (torch.randn(1, 2, 70, 16) for _ in range(3))
+    out, kernel = _compile(fn, q, k, v, **patches)
+    assert _logit_scale(kernel) == LOG2E
+    FileCheck().check("scores = tl.dot(").check(" * ").check("logits = ").run(kernel)
+    testing.assert_close_to_reference(out, fn(q.double(), k.double(), v.double()))
