@@ -313,3 +313,41 @@ def test_several_tile_configs_autotune_on_the_cpu_harness(monkeypatch):
         out, code = testing.compile_and_get_code(masked, q, k, v, keep)
     FileCheck().check("cell_states = ").check("for start_n in range(").run("\n".join(testing.triton_kernels(code).values()))
     testing.assert_close_to_reference(out, masked(q.double(), k.double(), v.double(), keep))
+
+
+def test_pipeline_stages_leave_room_for_score_sized_tensors():
+    """Each pipeline stage holds the tiles of every score-sized tensor the chain reads beside K and V: at head
+    dim 128 the 128×128 config keeps three stages without one, two with a boolean mask or a 16-bit bias (three
+    would not fit the H100's 227 KiB), so autotuning never pays for a config that cannot run."""
+    from inductor_overlay.kernel import online_softmax_attention as kernel
+
+    def stages(element_bytes):
+        configs = kernel.kernel_configs(128, 128, torch.device("cuda"), element_bytes=element_bytes)
+        return {(c["BLOCK_M"], c["BLOCK_N"]): c["num_stages"] for c in configs}
+
+    assert stages(0)[(128, 128)] == 3
+    assert stages(1)[(128, 128)] == 2 and stages(2)[(128, 128)] == 2
+    assert stages(1)[(64, 64)] == 3
+
+
+@pytest.mark.parametrize(
+    "extra,expected", [("none", 0), ("mask", 1), ("bias", 4), ("row_bias", 0)], ids=["no-tensor", "mask", "bias", "broadcast-bias"]
+)
+def test_configs_are_told_the_bytes_the_chain_reads_per_score(monkeypatch, extra, expected):
+    """A [M, N] mask (1 byte) or float32 bias (4) is read at every score; a bias broadcast over rows is not."""
+    from inductor_overlay.kernel import online_softmax_attention as kernel
+
+    seen, original = [], kernel.kernel_configs
+    monkeypatch.setattr(kernel, "kernel_configs", lambda *args, **kw: seen.append(args[-1]) or original(*args, **kw))
+    q, k, v = (torch.randn(1, 2, 40, 16) for _ in range(3))
+    tensors = {"none": None, "mask": torch.rand(40, 40) > 0.3, "bias": torch.randn(2, 40, 40), "row_bias": torch.randn(2, 1, 40)}
+
+    def program(q, k, v, t):
+        scores = q @ k.transpose(-2, -1)
+        if t is None:
+            return torch.softmax(scores, dim=-1) @ v
+        return torch.softmax(scores.masked_fill(~t, float("-inf")) if t.dtype == torch.bool else scores + t, dim=-1) @ v
+
+    out, code = compile_on_cpu(program, q, k, v, tensors[extra], fresh_cache=True)
+    assert seen == [expected]
+    testing.assert_close_to_reference(out, reference(program, q, k, v, tensors[extra]))

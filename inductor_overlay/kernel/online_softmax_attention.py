@@ -405,6 +405,20 @@ def _template_of(source: str) -> TritonTemplate:
     return TritonTemplate(name=f"flashlight_attention_{digest}", grid=_grid, source=source)
 
 
+def _score_sized_bytes(captured: Sequence[Any], m: Any, n: Any) -> int:
+    """Bytes per score element of the captured tensors the chain reads at every (m, n): a [.., M, N] mask or bias
+    (not broadcast over rows or columns)."""
+    total = 0
+    for tensor in captured:
+        size, stride = tensor.get_size(), tensor.get_stride()
+        full = len(size) >= 2 and all(
+            V.graph.sizevars.statically_known_true(sympy.Eq(size[dim], extent)) and stride[dim] != 0
+            for dim, extent in ((-2, m), (-1, n))
+        )
+        total += tensor.get_dtype().itemsize if full else 0
+    return total
+
+
 def _divides(block: int, size: Any) -> bool:
     """Whether ``size`` is statically a multiple of ``block`` (no ragged tile; False when unknown)."""
     return V.graph.sizevars.statically_known_true(sympy.Eq(sympy.Mod(size, block), 0))
@@ -425,11 +439,32 @@ def _interpreting() -> bool:
 # one config means no benchmarking step. (32, 16) was the fastest at S 768, C 32.
 PAIR_TILES = [(32, 16, 4, 2), (16, 16, 8, 2)]
 
+H100_SHARED_MEMORY_BYTES = 232448
 
-def kernel_configs(d: int, dv: int, device: torch.device, groups: int = 1, pair_channels: int = 0) -> list[dict[str, int]]:
+
+def _shared_memory_bytes(device: torch.device) -> int:
+    """Shared memory one program may use (the H100's when no GPU is present, as in the CPU tests)."""
+    if not torch.cuda.is_available():
+        return H100_SHARED_MEMORY_BYTES
+    return torch.cuda.get_device_properties(device).shared_memory_per_block_optin
+
+
+def _fitting_stages(config: tuple[int, int, int, int], d: int, dv: int, element_bytes: int, shared_bytes: int) -> tuple[int, int, int, int]:
+    """The config with its pipeline stages cut until its shared memory fits: each stage holds a K and a V tile
+    (16-bit) and the score-sized tensors' tiles the chain reads (``element_bytes`` per score), beside the Q tile."""
+    m, n, warps, stages = config
+    while stages > 1 and stages * n * (2 * (d + dv) + m * element_bytes) + 2 * m * d > shared_bytes:
+        stages -= 1
+    return m, n, warps, stages
+
+
+def kernel_configs(
+    d: int, dv: int, device: torch.device, groups: int = 1, pair_channels: int = 0, element_bytes: int = 0
+) -> list[dict[str, int]]:
     """Tile sizes to autotune over (BLOCK_M, BLOCK_N, warps, stages), pruned by the head dims (QK, V), by
-    head groups (whose combined output tile is live beside the accumulator: more warps per row tile) and by the
-    channels of a pair reduction."""
+    head groups (whose combined output tile is live beside the accumulator: more warps per row tile), by the
+    channels of a pair reduction, and by the shared memory left beside the tiles of score-sized tensors the chain
+    reads (``element_bytes`` per score: a mask or a bias, whose loads are pipelined too)."""
     if device.type != "cuda" or _interpreting():
         return [dict(BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=1)]
     if pair_channels:
@@ -449,6 +484,7 @@ def kernel_configs(d: int, dv: int, device: torch.device, groups: int = 1, pair_
         shapes = [(64, 64, 4, 3), (128, 128, 8, 3), (128, 32, 4, 3)]
     else:
         shapes = [(128, 64, 8, 3), (64, 64, 4, 2), (64, 32, 4, 2)]
+    shapes = [_fitting_stages(shape, d, dv, element_bytes, _shared_memory_bytes(device)) for shape in shapes]
     return [dict(BLOCK_M=m, BLOCK_N=n, num_warps=w, num_stages=s) for m, n, w, s in shapes]
 
 
@@ -613,7 +649,7 @@ def _lower_attention(q, kt, v, captured, sink, chain_id, group_coefficients=None
         tuple(output_batch) if output_batch is not None else (0,), id_subgraphs, table_subgraph,
     )
     choices: list[Any] = []
-    for config in kernel_configs(d, dv, device, groups, channels):
+    for config in kernel_configs(d, dv, device, groups, channels, _score_sized_bytes(captured, m, n)):
         error = online_softmax_attention_template(*template_key).maybe_append_choice(
             choices,
             input_nodes=operands,
