@@ -481,7 +481,9 @@ def kernel_configs(
     elif d <= 64 and dv <= 128:
         shapes = [(64, 64, 4, 3), (128, 64, 4, 3), (128, 128, 8, 3)]
     elif max(d, dv) <= 128:
-        shapes = [(64, 64, 4, 3), (128, 128, 8, 3), (128, 32, 4, 3)]
+        # With a score-sized bias or mask, 128×64 (8 warps) won by 9% over the runner-up at 2×16×8192×128
+        # (h100_2026-11-22_stages_and_scale/sweep_d128.txt); 128×32 wins on soft-cap, which reads none.
+        shapes = [(64, 64, 4, 3), (128, 128, 8, 3), (128, 64, 8, 3) if element_bytes else (128, 32, 4, 3)]
     else:
         shapes = [(128, 64, 8, 3), (64, 64, 4, 2), (64, 32, 4, 2)]
     shapes = [_fitting_stages(shape, d, dv, element_bytes, _shared_memory_bytes(device)) for shape in shapes]
