@@ -275,17 +275,25 @@ def check_kernels(
 
 
 def column_tile_loops(kernel: str) -> int:
-    """How many loops over column tiles a fused attention kernel has: 1, or 3 when the tiles a position mask leaves
-    entirely visible get a loop of their own between the partial tiles before and after them (checked)."""
+    """How many loops over column tiles a fused attention kernel has: 1, or 2 when the tiles a mask leaves entirely
+    visible get a loop of their own, followed by one loop over the partial tiles on both sides of them (checked)."""
     from torch.testing import FileCheck
 
-    loops = kernel.count("for start_n in range(")
-    assert loops in (1, 3), f"{loops} column-tile loops"
-    if loops == 3:
-        FileCheck().check("for start_n in range(first_n, full_lo, BLOCK_N)").check(
-            "for start_n in range(full_lo, full_hi, BLOCK_N)"
-        ).check("for start_n in range(full_hi, end_n, BLOCK_N)").run(kernel)
+    loops = kernel.count("for start_n in range(") + kernel.count("for partial_n in range(")
+    assert loops in (1, 2), f"{loops} column-tile loops"
+    if loops == 2:
+        FileCheck().check("for start_n in range(full_lo, full_hi, BLOCK_N)").check(
+            "for partial_n in range(0, partial_before + (end_n - full_hi), BLOCK_N)"
+        ).run(kernel)
     return loops
+
+
+def split_loop_chains(kernel: str) -> tuple[str, str]:
+    """The user's chain (from the score dot to the logits) in the loop over entirely visible tiles and in the loop
+    over the partial tiles of a kernel with both."""
+    visible = kernel.split("for start_n in range(full_lo, full_hi, BLOCK_N)")[1].split("for partial_n in range(")[0]
+    partial = kernel.split("for partial_n in range(")[1]
+    return visible.split("scores = tl.dot")[1].split("logits = tmp")[0], partial.split("scores = tl.dot")[1].split("logits = tmp")[0]
 
 
 def allocated_buffer_numels(code: str | Sequence[str]) -> list[int]:

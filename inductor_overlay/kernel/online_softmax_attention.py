@@ -124,14 +124,17 @@ N_LOOP = r"""for start_n in range(START, END, BLOCK_N):
 ONE_LOOP = N_LOOP.replace("START", "first_n").replace("END", "end_n").replace("CHAIN", "0")
 
 # Tiles the mask leaves entirely visible (contiguous between full_lo and full_hi, found by the pre-pass) run the
-# user's chain without its mask; the tiles the mask cuts through, on either side, run the whole chain.
+# user's chain without its mask; the tiles the mask cuts through, on either side, run the whole chain in one more
+# loop (one loop, not one per side: a loop costs a pipeline fill and drain, and compile time).
+PARTIAL_TILES_HEADER = """partial_before = full_lo - first_n  # partial tiles before the visible ones, in columns
+    for partial_n in range(0, partial_before + (end_n - full_hi), BLOCK_N):
+        start_n = tl.where(partial_n < partial_before, first_n + partial_n, full_hi + (partial_n - partial_before))"""
+
 SPLIT_LOOPS = (
-    "# Tiles the mask cuts through, before the entirely visible ones: the whole chain.\n    "
-    + N_LOOP.replace("START", "first_n").replace("END", "full_lo").replace("CHAIN", "0")
-    + "    # Entirely visible tiles: the chain without its mask (no per-element mask math).\n    "
+    "# Entirely visible tiles: the chain without its mask (no per-element mask math).\n    "
     + N_LOOP.replace("START", "full_lo").replace("END", "full_hi").replace("CHAIN", "1")
-    + "    # Tiles the mask cuts through, after the entirely visible ones.\n    "
-    + N_LOOP.replace("START", "full_hi").replace("END", "end_n").replace("CHAIN", "0")
+    + "    # Tiles the mask cuts through, before and after the entirely visible ones: the whole chain.\n    "
+    + N_LOOP.replace("for start_n in range(START, END, BLOCK_N):", PARTIAL_TILES_HEADER).replace("CHAIN", "0")
 )
 
 ATTENTION_TAIL = r"""
