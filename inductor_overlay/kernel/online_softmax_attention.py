@@ -462,12 +462,14 @@ def _fitting_stages(config: tuple[int, int, int, int], d: int, dv: int, element_
 
 
 def kernel_configs(
-    d: int, dv: int, device: torch.device, groups: int = 1, pair_channels: int = 0, element_bytes: int = 0
+    d: int, dv: int, device: torch.device, groups: int = 1, pair_channels: int = 0, element_bytes: int = 0,
+    columns: int = 0,
 ) -> list[dict[str, int]]:
     """Tile sizes to autotune over (BLOCK_M, BLOCK_N, warps, stages), pruned by the head dims (QK, V), by
     head groups (whose combined output tile is live beside the accumulator: more warps per row tile), by the
     channels of a pair reduction, and by the shared memory left beside the tiles of score-sized tensors the chain
-    reads (``element_bytes`` per score: a mask or a bias, whose loads are pipelined too)."""
+    reads (``element_bytes`` per score: a mask or a bias, whose loads are pipelined too) and by the row length
+    (``columns``, N)."""
     if device.type != "cuda" or _interpreting():
         return [dict(BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=1)]
     if pair_channels:
@@ -484,9 +486,11 @@ def kernel_configs(
     elif d <= 64 and dv <= 128:
         shapes = [(64, 64, 4, 3), (128, 64, 4, 3), (128, 128, 8, 3)]
     elif max(d, dv) <= 128:
-        # With a score-sized bias or mask, 128×64 (8 warps) won by 9% over the runner-up at 2×16×8192×128
-        # (h100_2026-11-22_stages_and_scale/sweep_d128.txt); 128×32 wins on soft-cap, which reads none.
-        shapes = [(64, 64, 4, 3), (128, 128, 8, 3), (128, 64, 8, 3) if element_bytes else (128, 32, 4, 3)]
+        # With a score-sized bias or mask over long rows, 128×64 (8 warps) won by 9% over the runner-up at
+        # 2×16×8192×128 (h100_2026-11-22_stages_and_scale/sweep_d128.txt); 128×32 wins on soft-cap, which reads
+        # none, and on Evoformer's pair bias, whose rows are 256 long (h100_2026-11-22_evoformer_epilogue/sweep.txt).
+        long_biased_rows = element_bytes > 0 and columns > 1024
+        shapes = [(64, 64, 4, 3), (128, 128, 8, 3), (128, 64, 8, 3) if long_biased_rows else (128, 32, 4, 3)]
     else:
         shapes = [(128, 64, 8, 3), (64, 64, 4, 2), (64, 32, 4, 2)]
     shapes = [_fitting_stages(shape, d, dv, element_bytes, _shared_memory_bytes(device)) for shape in shapes]
@@ -654,7 +658,8 @@ def _lower_attention(q, kt, v, captured, sink, chain_id, group_coefficients=None
         tuple(output_batch) if output_batch is not None else (0,), id_subgraphs, table_subgraph,
     )
     choices: list[Any] = []
-    for config in kernel_configs(d, dv, device, groups, channels, _score_sized_bytes(captured, m, n)):
+    element_bytes, columns = _score_sized_bytes(captured, m, n), V.graph.sizevars.size_hint(n)
+    for config in kernel_configs(d, dv, device, groups, channels, element_bytes, columns):
         error = online_softmax_attention_template(*template_key).maybe_append_choice(
             choices,
             input_nodes=operands,
