@@ -415,7 +415,7 @@ def _score_sized_bytes(captured: Sequence[Any], m: Any, n: Any) -> int:
     for tensor in captured:
         size, stride = tensor.get_size(), tensor.get_stride()
         full = len(size) >= 2 and all(
-            V.graph.sizevars.statically_known_true(sympy.Eq(size[dim], extent)) and stride[dim] != 0
+            V.graph.sizevars.statically_known_equals(size[dim], extent) and stride[dim] != 0
             for dim, extent in ((-2, m), (-1, n))
         )
         total += tensor.get_dtype().itemsize if full else 0
@@ -493,7 +493,8 @@ def kernel_configs(
         shapes = [(64, 64, 4, 3), (128, 128, 8, 3), (128, 64, 8, 3) if long_biased_rows else (128, 32, 4, 3)]
     else:
         shapes = [(128, 64, 8, 3), (64, 64, 4, 2), (64, 32, 4, 2)]
-    shapes = [_fitting_stages(shape, d, dv, element_bytes, _shared_memory_bytes(device)) for shape in shapes]
+    shared_bytes = _shared_memory_bytes(device)
+    shapes = [_fitting_stages(shape, d, dv, element_bytes, shared_bytes) for shape in shapes]
     return [dict(BLOCK_M=m, BLOCK_N=n, num_warps=w, num_stages=s) for m, n, w, s in shapes]
 
 
