@@ -44,10 +44,10 @@ class ScoreChain:
     # applies it with log2(e) (``fx_passes/logit_scale.py``).
     folded_scale: float = 1.0
     pair_dtype: Optional[torch.dtype] = None  # dtype of the pair reduction's result, when there is one
-    # (scores, *captured) -> per-row ids and -> per-column ids, each broadcast to the score shape, of a mask that
+    # (scores, *captured, *sizes) -> per-row ids and -> per-column ids, each broadcast to the score shape, of a mask that
     # keeps a logit only where the two are equal (document masking): the kernel skips tiles whose ids are disjoint.
     id_graph_modules: Optional[tuple[torch.fx.GraphModule, torch.fx.GraphModule]] = None
-    # (scores, *captured) -> the cell states of a mask passed in as a tensor (``block_sparsity.TensorMask``), as
+    # (scores, *captured, *sizes) -> the cell states of a mask passed in as a tensor (``block_sparsity.TensorMask``), as
     # ``[*batch, ⌈M/c⌉, ⌈N/c⌉]`` with c = MASK_TABLE_CELL: the kernel skips tiles all of whose cells are masked.
     mask_table_module: Optional[torch.fx.GraphModule] = None
 
@@ -65,11 +65,11 @@ def register_score_chain(chain: ScoreChain) -> int:
 _library = torch.library.Library("flashlight", "DEF")
 _library.define(
     "online_softmax_attention(Tensor q, Tensor kt, Tensor v, Tensor[] captured, Tensor? sink, int chain_id, "
-    "Tensor? group_coefficients=None, int[]? output_batch=None) -> Tensor"
+    "Tensor? group_coefficients=None, int[]? output_batch=None, SymInt[] sizes=[]) -> Tensor"
 )
 _library.define(
     "online_softmax_attention_with_pair_sum(Tensor q, Tensor kt, Tensor v, Tensor[] captured, Tensor? sink, "
-    "int chain_id, Tensor pair_values, int[]? output_batch=None) -> (Tensor, Tensor)"
+    "int chain_id, Tensor pair_values, int[]? output_batch=None, SymInt[] sizes=[]) -> (Tensor, Tensor)"
 )
 
 
@@ -79,12 +79,12 @@ def output_shape(chain: ScoreChain, m, dv, groups: int = 1, output_batch=None) -
     return [*batch, m, dv]
 
 
-def _probabilities(chain: ScoreChain, q, kt, v, captured, sink) -> torch.Tensor:
+def _probabilities(chain: ScoreChain, q, kt, v, captured, sink, sizes=()) -> torch.Tensor:
     """``[*batch, M, N]`` probabilities as the user's graph computes them (the unfused meaning of the op)."""
     m, d, n = q.shape[-2], q.shape[-1], v.shape[-2]
     z = math.prod(chain.batch_shape)
     scores = torch.bmm(q.reshape(z, m, d), kt.reshape(z, d, n)).view(*chain.batch_shape, m, n)
-    logits = chain.graph_module(scores, *captured)
+    logits = chain.graph_module(scores, *captured, *sizes)
     if not chain.softmax:
         return logits.to(chain.probability_dtype)
     if sink is None:
@@ -100,9 +100,9 @@ def _times_values(chain: ScoreChain, probabilities: torch.Tensor, v: torch.Tenso
 
 
 @torch.library.impl(_library, "online_softmax_attention", "CompositeExplicitAutograd")
-def online_softmax_attention_eager(q, kt, v, captured, sink, chain_id, group_coefficients=None, output_batch=None):
+def online_softmax_attention_eager(q, kt, v, captured, sink, chain_id, group_coefficients=None, output_batch=None, sizes=()):
     chain = SCORE_CHAINS[chain_id]
-    probabilities = _probabilities(chain, q, kt, v, captured, sink)
+    probabilities = _probabilities(chain, q, kt, v, captured, sink, sizes)
     out = _times_values(chain, probabilities, v)
     z, m, dv = out.shape
     if group_coefficients is None:
@@ -113,10 +113,10 @@ def online_softmax_attention_eager(q, kt, v, captured, sink, chain_id, group_coe
 
 
 @torch.library.impl(_library, "online_softmax_attention_with_pair_sum", "CompositeExplicitAutograd")
-def online_softmax_attention_with_pair_sum_eager(q, kt, v, captured, sink, chain_id, pair_values, output_batch=None):
+def online_softmax_attention_with_pair_sum_eager(q, kt, v, captured, sink, chain_id, pair_values, output_batch=None, sizes=()):
     """Also ``Σ_N p[..., m, n] · pair_values[..., m, n, c]``, as ``[Z, M, C]``."""
     chain = SCORE_CHAINS[chain_id]
-    probabilities = _probabilities(chain, q, kt, v, captured, sink)
+    probabilities = _probabilities(chain, q, kt, v, captured, sink, sizes)
     out = _times_values(chain, probabilities, v)
     z, m, dv = out.shape
     pair = (probabilities.unsqueeze(-1).to(chain.pair_dtype) * pair_values).sum(-2)
@@ -124,13 +124,13 @@ def online_softmax_attention_with_pair_sum_eager(q, kt, v, captured, sink, chain
 
 
 @torch.library.register_fake("flashlight::online_softmax_attention")
-def online_softmax_attention_fake(q, kt, v, captured, sink, chain_id, group_coefficients=None, output_batch=None):
+def online_softmax_attention_fake(q, kt, v, captured, sink, chain_id, group_coefficients=None, output_batch=None, sizes=()):
     groups = 1 if group_coefficients is None else group_coefficients.numel()
     return q.new_empty(output_shape(SCORE_CHAINS[chain_id], q.shape[-2], v.shape[-1], groups, output_batch), dtype=v.dtype)
 
 
 @torch.library.register_fake("flashlight::online_softmax_attention_with_pair_sum")
-def online_softmax_attention_with_pair_sum_fake(q, kt, v, captured, sink, chain_id, pair_values, output_batch=None):
+def online_softmax_attention_with_pair_sum_fake(q, kt, v, captured, sink, chain_id, pair_values, output_batch=None, sizes=()):
     chain = SCORE_CHAINS[chain_id]
     z, m = math.prod(chain.batch_shape), q.shape[-2]
     out = q.new_empty(output_shape(chain, m, v.shape[-1], 1, output_batch), dtype=v.dtype)

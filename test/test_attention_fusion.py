@@ -193,15 +193,61 @@ def test_illegal_rewrites_decline_with_a_reason_and_stay_correct(fn, reason, cap
         testing.assert_close_to_reference(actual, wanted)
 
 
-def test_dynamic_sequence_length_is_correct_and_says_why_not_fused(caplog):
-    with testing.cpu_triton(), caplog.at_level(logging.INFO, logger="flashlight"):
-        compiled = torch.compile(variants.causal_masked_fill)
-        for length in (17, 40, 33):
+def _dynamic_attention_kernel(code):
+    """The one attention kernel of a dynamic-shape graph, checked like ``assert_fused_attention``: the loop, the
+    dots, no extern matmul, and one buffer (the output, symbolic: the scores never reach memory)."""
+    kernels = [text for text in testing.triton_kernels(code).values() if "for start_n in range(" in text]
+    assert len(kernels) == 1, f"{len(kernels)} attention kernels"
+    testing.check_kernels(kernels[0], dots=2 * testing.column_tile_loops(kernels[0]))
+    testing.check_kernels(code, extern_calls=0)
+    assert len(testing.allocated_buffer_numels(code)) == 1, "a buffer besides the output"
+    return kernels[0]
+
+
+@pytest.mark.parametrize("idiom, skips_tiles", [("masked_fill", True), ("arange_where", False), ("triu_additive", True)])
+def test_dynamic_sequence_length_fuses_masks_built_from_the_length(idiom, skips_tiles):
+    """Dynamo recompiles with a symbolic length when the length changes; masks built from it (``ones(s, s).tril()``,
+    ``arange(s)``) pass the symbol into the kernel's chain, so the dynamic graph fuses too, with block skipping
+    where the mask is -inf (``arange_where`` masks with finfo.min: no tile is skippable)."""
+    fn = variants.CAUSAL.idioms[idiom]
+    from torch._inductor.utils import run_and_get_code
+
+    with testing.cpu_triton():
+        compiled = torch.compile(fn)
+        for index, length in enumerate((17, 40, 33)):
             q, k, v = (fresh(1, 2, length, 16) for _ in range(3))
             for tensor in (q, k, v):
                 torch._dynamo.mark_dynamic(tensor, 2)
-            testing.assert_close_to_reference(compiled(q, k, v), reference(variants.causal_masked_fill, q, k, v))
-    assert "dynamic size" in caplog.text
+            if index == 0:
+                out, code = run_and_get_code(compiled, q, k, v)
+            else:
+                out = compiled(q, k, v)
+            testing.assert_close_to_reference(out, reference(fn, q, k, v))
+    assert counters["inductor"]["flashlight_attention_fused"] == 1, "one dynamic graph, fused once"
+    assert counters["inductor"]["flashlight_fault_fallback"] == 0
+    kernel = _dynamic_attention_kernel(code)
+    if skips_tiles:
+        FileCheck().check("for scan_n in range(").check("masked = (").check("for start_n in range(").run(kernel)
+    else:
+        FileCheck().check_not("for scan_n in range(").check("for start_n in range(first_n, end_n, BLOCK_N)").run(kernel)
+
+
+def test_every_dim_dynamic_fuses_and_specialises_the_head_dim():
+    """``dynamic=True``: batch, heads and length stay symbolic; the head dim (a tile size, and here a 1/sqrt(D)
+    scale in the chain) is specialised, so another head dim compiles again and is still right."""
+    from torch._inductor.utils import run_and_get_code
+
+    fn = variants.causal_masked_fill
+    with testing.cpu_triton():
+        compiled = torch.compile(fn, dynamic=True)
+        for shape in ((2, 2, 24, 16), (3, 3, 19, 16), (2, 2, 21, 32)):  # (sizes of 1 would be specialised)
+            q, k, v = (fresh(*shape) for _ in range(3))
+            out, code = run_and_get_code(compiled, q, k, v)
+            testing.assert_close_to_reference(out, reference(fn, q, k, v))
+            if code:  # compiled in this call
+                _dynamic_attention_kernel(code)
+    assert counters["inductor"]["flashlight_attention_fused"] >= 2, "a graph per head dim, each fused"
+    assert counters["inductor"]["flashlight_attention_declined"] == 0
     assert counters["inductor"]["flashlight_fault_fallback"] == 0
 
 

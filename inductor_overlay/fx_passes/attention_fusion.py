@@ -44,6 +44,7 @@ from typing import Any, Optional, Union
 import sympy
 import torch
 from torch._dynamo.utils import counters
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from inductor_overlay import config
 from inductor_overlay.fx_passes.block_sparsity import (
@@ -106,6 +107,7 @@ class AttentionRegion:
     pv: torch.fx.Node  # the output matmul, P @ V
     chain: list[torch.fx.Node]  # ops from score_root to logits, moved into the kernel (graph order)
     captured: list[torch.fx.Node]  # tensors the chain reads besides the scores
+    captured_sizes: list[torch.fx.Node]  # symbolic ints the chain computes with (a dynamic length: iota(s0))
     internal: set[torch.fx.Node]  # nodes that become dead once pv is replaced
     probability_dtype: torch.dtype
     logit_scale: float  # positive constant the softmax applies to the logits
@@ -499,8 +501,10 @@ def find_attention(pv: torch.fx.Node, dead: frozenset = frozenset()) -> Union[De
     if isinstance(collected, Decline):
         return collected
     score_root, chain, captured = collected
+    captured_sizes = [c for c in captured if isinstance(c.meta.get("val"), torch.SymInt)]
+    captured = [c for c in captured if c not in captured_sizes]
     if any(not isinstance(c.meta.get("val"), torch.Tensor) for c in captured):
-        return Decline("the score chain computes with a dynamic size (e.g. a mask built from a dynamic length)")
+        return Decline("the score chain computes with a non-tensor value that is not a size")
     if any(depends_on(c, qk, {}) for c in captured) or (sink is not None and depends_on(sink, qk, {})):
         return Decline("a tensor read by the score chain depends on the scores")
 
@@ -535,8 +539,12 @@ def find_attention(pv: torch.fx.Node, dead: frozenset = frozenset()) -> Union[De
     internal = set(scores) | {n for n in chain if depends_on(n, qk, {})} | set(softmax_nodes) | set(passthrough)
     internal |= set(pair.nodes) if pair is not None else set()
     replaced = {pv} | ({pair.result} if pair is not None else set())
+    operands = [source.node for source in (_batch_source(q), _batch_source(kt), _batch_source(v))]
     for node in internal:
-        outside = [u for u in node.users if u not in internal and u not in replaced and u not in dead]
+        outside = [
+            u for u in node.users
+            if u not in internal and u not in replaced and u not in dead and _size_source(u, operands) is None
+        ]
         if outside:
             user = "a graph output (e.g. saved for backward)" if outside[0].op == "output" else f"`{outside[0].name}`"
             return Decline(f"`{node.name}` is also used outside the attention (rule 4), by {user}")
@@ -547,6 +555,7 @@ def find_attention(pv: torch.fx.Node, dead: frozenset = frozenset()) -> Union[De
         pv=pv,
         chain=chain,
         captured=captured,
+        captured_sizes=captured_sizes,
         internal=internal,
         probability_dtype=_val(p_operand).dtype,
         logit_scale=logit_scale,
@@ -560,14 +569,45 @@ def find_attention(pv: torch.fx.Node, dead: frozenset = frozenset()) -> Union[De
     )
 
 
+def _size_source(read: torch.fx.Node, operands: list[torch.fx.Node]) -> Optional[tuple[torch.fx.Node, Optional[int]]]:
+    """For a read of a symbolic size (``sym_size``, as a dynamic graph has for later views) of a node that fusion
+    removes: a graph input holding the same symbol (dim None), or a dim of q, k or v that has it."""
+    wanted = read.meta.get("val") if _is(read, aten.sym_size.int) else None
+    if not isinstance(wanted, torch.SymInt):
+        return None
+    for node in read.graph.find_nodes(op="placeholder"):
+        value = node.meta.get("val")
+        if isinstance(value, torch.SymInt) and statically_known_true(value == wanted):
+            return node, None
+    for node in operands:
+        for dim, size in enumerate(_val(node).shape):
+            if isinstance(size, torch.SymInt) and statically_known_true(size == wanted):
+                return node, dim
+    return None
+
+
+def _reroute_size_reads(region: AttentionRegion) -> None:
+    """Size reads of the nodes fusion removes read the same sizes from graph inputs or the operands instead."""
+    operands = [region.q.node, region.kt.node, region.v.node]
+    for node in region.internal:
+        for read in [u for u in node.users if u not in region.internal and _size_source(u, operands) is not None]:
+            source, dim = _size_source(read, operands)
+            if dim is not None:
+                with read.graph.inserting_before(read):
+                    source = call_op(read.graph, aten.sym_size.int, (source, dim))
+            read.replace_all_uses_with(source)
+
+
 def _chain_inputs(region: AttentionRegion) -> tuple[torch.fx.Graph, dict]:
-    """A new graph whose placeholders are the chain's inputs, (scores, *captured), and the map from the user's
-    nodes to them (the score root to the scores, times the scale taken off q or k)."""
+    """A new graph whose placeholders are the chain's inputs, (scores, *captured, *captured_sizes), and the map
+    from the user's nodes to them (the score root to the scores, times the scale taken off q or k)."""
     graph = torch.fx.Graph()
     scores = graph.placeholder("scores")
     env = {region.score_root: scores}
     for index, value in enumerate(region.captured):
         env[value] = graph.placeholder(f"captured_{index}")
+    for index, value in enumerate(region.captured_sizes):
+        env[value] = graph.placeholder(f"size_{index}")
     if region.operand_scale != 1.0:
         env[region.score_root] = graph.call_function(aten.mul.Tensor, (scores, region.operand_scale))
     return graph, env
@@ -766,19 +806,21 @@ def fuse(region: AttentionRegion, group_coefficients: Optional[torch.fx.Node] = 
         q, kt, v = (_materialise(graph, source) for source in (region.q, region.kt, region.v))
         sink = _broadcast(graph, region.sink, [*score_shape[:-1], 1]) if region.sink is not None else None
         inputs = (q, kt, v, list(region.captured), sink, chain_id)
+        sizes = list(region.captured_sizes)
         if region.pair is None:
             op = torch.ops.flashlight.online_softmax_attention.default
-            fused = call_op(graph, op, (*inputs, group_coefficients, output_batch))
+            fused = call_op(graph, op, (*inputs, group_coefficients, output_batch, sizes))
         else:
             assert group_coefficients is None, "head groups do not combine a pair reduction"
             pair_shape = [*score_shape, _val(region.pair.result).shape[-1]]
             values = _broadcast(graph, region.pair.values, pair_shape)
             op = torch.ops.flashlight.online_softmax_attention_with_pair_sum.default
-            both = call_op(graph, op, (*inputs, values, output_batch))
+            both = call_op(graph, op, (*inputs, values, output_batch, sizes))
             fused, pair_sum = (call_op(graph, operator.getitem, (both, i)) for i in (0, 1))
             pair_result = call_op(graph, aten.view.default, (pair_sum, list(_val(region.pair.result).shape)))
             region.pair.result.replace_all_uses_with(pair_result)
         result = _as_matmul_output(graph, fused, _val(region.pv).dim(), output_batch)
+    _reroute_size_reads(region)
     region.pv.replace_all_uses_with(result)
     return result
 

@@ -422,6 +422,13 @@ def _score_sized_bytes(captured: Sequence[Any], m: Any, n: Any) -> int:
     return total
 
 
+def _size_for_chain(size: Any, score_size: Sequence[Any]) -> Any:
+    """A size the score chain computes with: symbolic when it is one of the scores' dims, else specialised."""
+    if any(V.graph.sizevars.statically_known_equals(size, dim) for dim in score_size):
+        return size
+    return V.graph.sizevars.guard_int(size)
+
+
 def _divides(block: int, size: Any) -> bool:
     """Whether ``size`` is statically a multiple of ``block`` (no ragged tile; False when unknown)."""
     return V.graph.sizevars.statically_known_true(sympy.Eq(sympy.Mod(size, block), 0))
@@ -598,16 +605,16 @@ def _lower_score_chain(
 
 
 @register_lowering(torch.ops.flashlight.online_softmax_attention.default, type_promotion_kind=None)
-def online_softmax_attention_lowering(q, kt, v, captured, sink, chain_id, group_coefficients=None, output_batch=None):
-    return _lower_attention(q, kt, v, captured, sink, chain_id, group_coefficients, output_batch=output_batch)
+def online_softmax_attention_lowering(q, kt, v, captured, sink, chain_id, group_coefficients=None, output_batch=None, sizes=()):
+    return _lower_attention(q, kt, v, captured, sink, chain_id, group_coefficients, output_batch=output_batch, sizes=sizes)
 
 
 @register_lowering(torch.ops.flashlight.online_softmax_attention_with_pair_sum.default, type_promotion_kind=None)
-def online_softmax_attention_with_pair_sum_lowering(q, kt, v, captured, sink, chain_id, pair_values, output_batch=None):
-    return _lower_attention(q, kt, v, captured, sink, chain_id, pair_values=pair_values, output_batch=output_batch)
+def online_softmax_attention_with_pair_sum_lowering(q, kt, v, captured, sink, chain_id, pair_values, output_batch=None, sizes=()):
+    return _lower_attention(q, kt, v, captured, sink, chain_id, pair_values=pair_values, output_batch=output_batch, sizes=sizes)
 
 
-def _lower_attention(q, kt, v, captured, sink, chain_id, group_coefficients=None, pair_values=None, output_batch=None):
+def _lower_attention(q, kt, v, captured, sink, chain_id, group_coefficients=None, pair_values=None, output_batch=None, sizes=()):
     chain = SCORE_CHAINS[chain_id]
     device = q.get_device()
     for tensor in captured:
@@ -623,12 +630,16 @@ def _lower_attention(q, kt, v, captured, sink, chain_id, group_coefficients=None
     if chain.id_graph_modules is not None:
         id_subgraphs = (len(chains), len(chains) + 1)
         chains += list(chain.id_graph_modules)
-    subgraphs = [_lower_score_chain(module, chain.score_dtype, score_size, device, list(captured)) for module in chains]
+    # The chains' inputs after the scores: the tensors they read, then the sizes they compute with. A size that is
+    # not a dim of the scores (the head dim in a 1/sqrt(D) scale) is specialised, as the head dims are: the chain
+    # may use it as a scalar, which Inductor's template codegen would give a tile's shape.
+    chain_inputs = [*captured, *(_size_for_chain(size, score_size) for size in sizes)]
+    subgraphs = [_lower_score_chain(module, chain.score_dtype, score_size, device, chain_inputs) for module in chains]
     table_subgraph = None
     if chain.mask_table_module is not None:
         table_subgraph = len(subgraphs)
         cells = [-(-V.graph.sizevars.guard_int(size) // MASK_TABLE_CELL) for size in (m, n)]
-        subgraphs.append(_lower_score_chain(chain.mask_table_module, chain.score_dtype, [*batch_shape, *cells], device, list(captured)))
+        subgraphs.append(_lower_score_chain(chain.mask_table_module, chain.score_dtype, [*batch_shape, *cells], device, chain_inputs))
     # Realised as they are: the kernel reads any strides (no stride-1 copy, unlike ``realize_inputs``).
     operands = [ir.ExternKernel.realize_input(t) for t in (q, kt, v, sink) if t is not None]
     ranks = tuple(len(t.get_size()) - 2 for t in operands)
