@@ -102,7 +102,7 @@ def bench_one(variant: Variant, shape: Shape, dtype: torch.dtype, impls: list[st
                 run = fn
             elif impl in ("compile", "flashlight", "flashlight_sdpa_off", "flashlight_unsplit", "flashlight_scalar_scan",
                           "flashlight_no_skip", "flashlight_launch_in_order",
-                          "flashlight_unfolded"):
+                          "flashlight_unfolded", "flashlight_visible_loop_d64"):
                 policy = {
                     "flashlight_sdpa_off": {"sdpa_pattern_policy": "flashlight"},
                     "flashlight_unsplit": {"split_visible_tiles": False},
@@ -110,6 +110,7 @@ def bench_one(variant: Variant, shape: Shape, dtype: torch.dtype, impls: list[st
                     "flashlight_no_skip": {"block_skipping": False},
                     "flashlight_launch_in_order": {"last_rows_first": False},
                     "flashlight_unfolded": {"fold_logit_scale": False},
+                    "flashlight_visible_loop_d64": {"visible_loop_max_head_dim": 64},
                 }.get(impl, {})
                 start = time.perf_counter()
                 run, _ = compiled(fn, overlay=impl != "compile", **policy)(q, k, v, **extras)

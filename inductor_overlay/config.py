@@ -21,6 +21,8 @@ attention_fusion: bool = os.environ.get("FLASHLIGHT_ATTENTION_FUSION", "1") != "
 # Tiles that the position mask leaves entirely visible run the chain without its mask (a loop of their own),
 # where that pays (see attention_fusion._worth_a_visible_loop).
 split_visible_tiles: bool = os.environ.get("FLASHLIGHT_SPLIT_VISIBLE_TILES", "1") != "0"
+# ... for head dims up to this (a mask read from a tensor splits at any head dim).
+visible_loop_max_head_dim: int = int(os.environ.get("FLASHLIGHT_VISIBLE_LOOP_MAX_HEAD_DIM", "128"))
 
 # Matmuls fed by pointwise ops of another matmul with no softmax between (sigmoid attention, (A·B)·C) fuse only
 # where the kernel beats two GEMMs: inner dims (D, Dv) up to this, and on a GPU at least this many rows (M·batch)

@@ -692,16 +692,19 @@ def _chain_value_module(region: AttentionRegion, value: torch.fx.Node, shape: li
 
 def _worth_a_visible_loop(unmasked: torch.fx.GraphModule, region: AttentionRegion, drops_mask_loads: bool) -> bool:
     """A loop of its own for entirely visible tiles pays where the mask is most of the per-element work: on the
-    H100 it gave 6–15% at head dim 64 when the rest of the chain is only scaling (causal, prefix-LM, GQA), ~3% at
-    128, and lost 21% on Gemma-2's soft-capped window, while it doubles the kernel's compile time
-    (benchmarks/results/h100_2026-11-22_split_visible_tiles/). A mask read per element from a tensor is worth it
-    at any head dim: at 128 its loads, in a loop with run-time bounds, spill registers (255 used, ~500 bytes of
-    spills in the loop) where the loop without them needs ~200."""
+    H100 it gave 6–15% at head dim 64 when the rest of the chain is only scaling (causal, prefix-LM, GQA), and lost
+    21% on Gemma-2's soft-capped window (benchmarks/results/h100_2026-11-22_split_visible_tiles/). At head dim 128
+    it gives 9–15% on causal since the partial tiles share one loop (h100_2026-11-22_d128_visible_loop/): in sm90
+    SASS the masked loop is ~980 instructions per 128×128 tile (the mask's 64 predicates per thread are packed and
+    unpacked around the QK wait), the visible one ~550. A mask read per element from a tensor is worth it at any
+    head dim: at 128 its loads, in a loop with run-time bounds, spill registers (255 used, ~500 bytes of spills in
+    the loop) where the loop without them needs ~200."""
     scaling_only = all(
         node.op != "call_function" or node.target in (aten.mul.Tensor, aten.div.Tensor, prims.convert_element_type.default)
         for node in unmasked.graph.nodes
     )
-    return scaling_only and (drops_mask_loads or _val(region.q.node).shape[-1 if not region.q.transposed else -2] <= 64)
+    head_dim = _val(region.q.node).shape[-1 if not region.q.transposed else -2]
+    return scaling_only and (drops_mask_loads or head_dim <= config.visible_loop_max_head_dim)
 
 
 def call_op(graph: torch.fx.Graph, target: Any, args: tuple, kwargs: Optional[dict] = None) -> torch.fx.Node:

@@ -110,8 +110,11 @@ N_LOOP = r"""for start_n in range(START, END, BLOCK_N):
             fl_n = tl.minimum(offs_n, N - 1)[None, :].to(POSITION_DTYPE)
 
         # scores = Q Kᵀ for this tile, never written to memory.
-        kt = tl.load(kt_base + offs_d[:, None] * {{stride("KT", -2)}} + offs_n[None, :] * {{stride("KT", -1)}},
-                     mask=(offs_d[:, None] < D) & col_in_bounds, other=0.0)
+        kt_tile = kt_base + offs_d[:, None] * {{stride("KT", -2)}} + offs_n[None, :] * {{stride("KT", -1)}}
+        if EVEN_N and D == D_TILE:
+            kt = tl.load(kt_tile)  # whole tiles: nothing to bound
+        else:
+            kt = tl.load(kt_tile, mask=(offs_d[:, None] < D) & col_in_bounds, other=0.0)
         if UPCAST_DOT_OPERANDS:
             kt = kt.to(tl.float32)
         scores = tl.dot(q, kt, input_precision=DOT_PRECISION)
@@ -221,8 +224,11 @@ LINEAR_ACCUMULATE = """# acc += P V, with P the chain's output (columns past N w
 
 LINEAR_FINISH = "# No normaliser: the sum over N is the result."
 
-LOAD_V = """v = tl.load(v_base + offs_n[:, None] * {{stride("V", -2)}} + offs_dv[None, :] * {{stride("V", -1)}},
-                    mask=(offs_n[:, None] < N) & (offs_dv[None, :] < DV), other=0.0)
+LOAD_V = """v_tile = v_base + offs_n[:, None] * {{stride("V", -2)}} + offs_dv[None, :] * {{stride("V", -1)}}
+        if EVEN_N and DV == DV_TILE:
+            v = tl.load(v_tile)
+        else:
+            v = tl.load(v_tile, mask=(offs_n[:, None] < N) & (offs_dv[None, :] < DV), other=0.0)
         if UPCAST_DOT_OPERANDS:
             p = p.to(PROBABILITY_DTYPE).to(tl.float32)
             v = v.to(tl.float32)
