@@ -42,8 +42,11 @@ def relative_error(out: Any, ref: Any) -> float:
     return float((out - ref).norm() / ref.norm())
 
 
-def flops(shape: Shape, variant: Variant) -> float:
-    return 2.0 * shape.B * shape.H * shape.M * shape.N * (shape.D + shape.value_dim) * variant.visible_fraction(shape)
+def flops(shape: Shape, variant: Variant, extras: Optional[dict] = None) -> float:
+    """The unmasked work: for a mask drawn at random, this draw's share of unmasked pairs."""
+    drawn = variant.drawn_visible_fraction
+    fraction = drawn(extras) if drawn is not None and extras is not None else variant.visible_fraction(shape)
+    return 2.0 * shape.B * shape.H * shape.M * shape.N * (shape.D + shape.value_dim) * fraction
 
 
 def compiled(fn: Callable, overlay: bool, **policy: Any) -> Callable:
@@ -143,7 +146,7 @@ def bench_one(variant: Variant, shape: Shape, dtype: torch.dtype, impls: list[st
         row = dict(
             variant=variant.name, impl=impl, B=shape.B, H=shape.H, M=shape.M, N=shape.N, D=shape.D,
             dtype=str(dtype).removeprefix("torch."), ms=round(ms, 4),
-            tflops=round(flops(shape, variant) / (ms * 1e-3) / 1e12, 1) if ms == ms else float("nan"),
+            tflops=round(flops(shape, variant, extras) / (ms * 1e-3) / 1e12, 1) if ms == ms else float("nan"),
             rel_err=f"{err:.2e}", compile_s=round(compile_s, 2), **stamp,
         )
         rows.append(row)

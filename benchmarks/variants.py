@@ -40,6 +40,8 @@ class Variant:
     flex_mask_mod: Optional[Callable[[dict], Callable]] = None  # extras -> mask_mod
     sdpa: Optional[Callable[..., Tensor]] = None
     visible_fraction: Callable[[Shape], float] = lambda shape: 1.0  # share of (m, n) pairs not masked
+    # For masks drawn at random (document ids, padding): the share of this draw's pairs not masked, from its extras.
+    drawn_visible_fraction: Optional[Callable[[dict], float]] = None
     self_attention: bool = False  # queries and keys are the same sequence (M == N), e.g. one document_id per token
     kv_groups: int = 1  # query heads per key/value head (GQA): k and v get H // kv_groups heads; 0 means MQA (one)
     key_fraction: float = 1.0  # cross-attention: N = key_fraction * the shape's sequence length
@@ -248,6 +250,13 @@ def _document_ids(shape: Shape, device, dtype):
     return {"document_id": ids.to(device)}
 
 
+def _document_pairs_fraction(extras: dict) -> float:
+    """Mean over the batch of Σ_documents length² / N²."""
+    ids = extras["document_id"]
+    lengths = torch.stack([torch.bincount(row, minlength=int(ids.max()) + 1) for row in ids]).double()
+    return float((lengths**2).sum(-1).mean() / ids.shape[-1] ** 2)
+
+
 def document_mask(q, k, v, document_id):
     same = document_id[:, None, :, None] == document_id[:, None, None, :]
     scores = q @ k.transpose(-2, -1) * _scale(q)
@@ -260,6 +269,7 @@ DOCUMENT = Variant(
     extras=_document_ids,
     flex_mask_mod=lambda extras: (lambda b, h, m, n: extras["document_id"][b, m] == extras["document_id"][b, n]),
     self_attention=True,
+    drawn_visible_fraction=_document_pairs_fraction,
 )
 
 
@@ -280,6 +290,7 @@ KEY_PADDING = Variant(
     idioms={"finfo_min": key_padding_finfo_min},
     extras=_padding,
     flex_mask_mod=lambda extras: (lambda b, h, m, n: extras["attention_mask"][b, n] > 0),
+    drawn_visible_fraction=lambda extras: float(extras["attention_mask"].double().mean()),
 )
 
 

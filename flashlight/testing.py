@@ -214,6 +214,19 @@ def compile_and_get_code(
         return run_and_get_code(torch.compile(fn, **(compile_options or {})), *args, **kwargs)
 
 
+def run_keeping_graphs_and_get_code(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> tuple[Any, list[str]]:
+    """``fn(*args, **kwargs)`` and the sources of the graphs compiled during the call. Unlike Inductor's
+    ``run_and_get_code`` it does not reset Dynamo first, so a call reuses (or recompiles, as dynamic) the graphs
+    earlier calls compiled."""
+    from unittest import mock
+
+    from torch._inductor.graph import GraphLowering
+
+    sources: list[str] = []
+    with mock.patch.object(GraphLowering, "save_output_code", sources.append):
+        return fn(*args, **kwargs), sources
+
+
 _KERNEL_DEF = re.compile(r"@triton\.jit\s*\ndef (\w+)\(")
 
 

@@ -210,22 +210,20 @@ def test_dynamic_sequence_length_fuses_masks_built_from_the_length(idiom, skips_
     ``arange(s)``) pass the symbol into the kernel's chain, so the dynamic graph fuses too, with block skipping
     where the mask is -inf (``arange_where`` masks with finfo.min: no tile is skippable)."""
     fn = variants.CAUSAL.idioms[idiom]
-    from torch._inductor.utils import run_and_get_code
-
+    sources = []
     with testing.cpu_triton():
+        torch._dynamo.reset()
         compiled = torch.compile(fn)
-        for index, length in enumerate((17, 40, 33)):
+        for length in (17, 40, 33, 24):  # 40: Dynamo recompiles with a symbolic length, which 33 and 24 reuse
             q, k, v = (fresh(1, 2, length, 16) for _ in range(3))
-            for tensor in (q, k, v):
-                torch._dynamo.mark_dynamic(tensor, 2)
-            if index == 0:
-                out, code = run_and_get_code(compiled, q, k, v)
-            else:
-                out = compiled(q, k, v)
+            out, code = testing.run_keeping_graphs_and_get_code(compiled, q, k, v)
+            sources.append(code)
             testing.assert_close_to_reference(out, reference(fn, q, k, v))
-    assert counters["inductor"]["flashlight_attention_fused"] == 1, "one dynamic graph, fused once"
+    assert [len(code) for code in sources] == [1, 1, 0, 0], "a static graph, then one dynamic graph reused"
+    assert counters["inductor"]["flashlight_attention_fused"] == 2
     assert counters["inductor"]["flashlight_fault_fallback"] == 0
-    kernel = _dynamic_attention_kernel(code)
+    kernel = _dynamic_attention_kernel(sources[1])
+    FileCheck().check("M = ks").check("N = ks").run(kernel)  # the lengths are kernel arguments
     if skips_tiles:
         FileCheck().check("for scan_n in range(").check("masked = (").check("for start_n in range(").run(kernel)
     else:
@@ -235,18 +233,20 @@ def test_dynamic_sequence_length_fuses_masks_built_from_the_length(idiom, skips_
 def test_every_dim_dynamic_fuses_and_specialises_the_head_dim():
     """``dynamic=True``: batch, heads and length stay symbolic; the head dim (a tile size, and here a 1/sqrt(D)
     scale in the chain) is specialised, so another head dim compiles again and is still right."""
-    from torch._inductor.utils import run_and_get_code
-
     fn = variants.causal_masked_fill
+    sources = []
     with testing.cpu_triton():
+        torch._dynamo.reset()
         compiled = torch.compile(fn, dynamic=True)
         for shape in ((2, 2, 24, 16), (3, 3, 19, 16), (2, 2, 21, 32)):  # (sizes of 1 would be specialised)
             q, k, v = (fresh(*shape) for _ in range(3))
-            out, code = run_and_get_code(compiled, q, k, v)
+            out, code = testing.run_keeping_graphs_and_get_code(compiled, q, k, v)
+            sources.append(code)
             testing.assert_close_to_reference(out, reference(fn, q, k, v))
-            if code:  # compiled in this call
-                _dynamic_attention_kernel(code)
-    assert counters["inductor"]["flashlight_attention_fused"] >= 2, "a graph per head dim, each fused"
+    assert [len(code) for code in sources] == [1, 0, 1], "batch, heads and length symbolic; a new head dim compiles"
+    for code in (sources[0], sources[2]):
+        _dynamic_attention_kernel(code)
+    assert counters["inductor"]["flashlight_attention_fused"] == 2
     assert counters["inductor"]["flashlight_attention_declined"] == 0
     assert counters["inductor"]["flashlight_fault_fallback"] == 0
 

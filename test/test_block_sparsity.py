@@ -147,6 +147,32 @@ def test_entirely_visible_tiles_run_the_chain_without_its_mask():
     testing.assert_close_to_reference(out, variants.causal_masked_fill(q.double(), k.double(), v.double()))
 
 
+@pytest.mark.parametrize("head_dim, max_head_dim, loops", [(128, 128, 2), (128, 64, 1), (256, 128, 1)])
+def test_visible_loop_up_to_the_configured_head_dim(head_dim, max_head_dim, loops):
+    """Causal splits off its entirely visible tiles up to ``visible_loop_max_head_dim`` (128 by default: the H100
+    measurement), one loop above it; the result is the same either way."""
+    q, k, v = (torch.randn(1, 1, 40, head_dim) for _ in range(3))
+    with testing.cpu_triton(), config.patch(visible_loop_max_head_dim=max_head_dim):
+        out, code = testing.compile_and_get_code(variants.causal_masked_fill, q, k, v)
+    kernel = "\n".join(testing.triton_kernels(code).values())
+    assert testing.column_tile_loops(kernel) == loops
+    testing.assert_close_to_reference(out, variants.causal_masked_fill(q.double(), k.double(), v.double()))
+
+
+@pytest.mark.parametrize("length, whole_tiles", [(64, True), (70, False)])
+def test_whole_column_tiles_load_k_and_v_without_bounds(length, whole_tiles):
+    """When N is a multiple of BLOCK_N (and the head dims fill their tiles) the K and V loads carry no mask; a ragged
+    N keeps the bounds (out-of-range columns read as 0 and weigh nothing). Both match eager."""
+    q, k, v = (torch.randn(1, 2, length, 16) for _ in range(3))
+    with testing.cpu_triton():
+        out, code = testing.compile_and_get_code(variants.causal_masked_fill, q, k, v)
+    kernel = "\n".join(testing.triton_kernels(code).values())
+    FileCheck().check(f"EVEN_N : tl.constexpr = {whole_tiles}").check("if EVEN_N and D == D_TILE:").check(
+        "kt = tl.load(kt_tile)"
+    ).check("kt = tl.load(kt_tile, mask=").check("if EVEN_N and DV == DV_TILE:").check("v = tl.load(v_tile)").run(kernel)
+    testing.assert_close_to_reference(out, variants.causal_masked_fill(q.double(), k.double(), v.double()))
+
+
 def test_split_flag_off_keeps_one_loop():
     q, k, v = (torch.randn(1, 2, 40, 16) for _ in range(3))
     with testing.cpu_triton(), config.patch(split_visible_tiles=False):
