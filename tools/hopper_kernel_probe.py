@@ -4,9 +4,9 @@ tile's softmax (``PREFETCH``), across tile configs, against SDPA (and, with ``--
 
     PYTHONPATH=. python tools/hopper_kernel_probe.py --ours
 
-H100 answer (benchmarks/results/h100_2026-11-22_hopper_probe/probe.txt): neither helped (TMA from 2% faster to 11% slower by
-config, the prefetch 4-51% slower, or out of shared memory at 3 stages); the plain kernel with 128x128 tiles, 8 warps, 3 stages beat our
-template by 13% at D128, which led to the visible-tile loop at D128."""
+H100 answer (benchmarks/results/h100_2026-11-22_hopper_probe/probe.txt): neither helped (TMA from 2% faster to
+11% slower by config; the prefetch 4-51% slower, or out of shared memory at 3 stages). The plain kernel with
+128x128 tiles, 8 warps and 3 stages beat our template by 13% at D128, which led to the visible-tile loop there."""
 
 import itertools
 import sys
