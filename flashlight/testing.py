@@ -288,20 +288,15 @@ def check_kernels(
 
 
 def column_tile_loops(kernel: str) -> int:
-    """How many loops over column tiles a fused attention kernel has (checked): 1; or 2, either when the tiles a
-    mask leaves entirely visible get a loop of their own, followed by one loop over the partial tiles on both sides
-    of them, or when a ragged N gets its last tile a loop of its own after the loop over the whole ones."""
+    """How many loops over column tiles a fused attention kernel has: 1, or 2 when the tiles a mask leaves entirely
+    visible get a loop of their own, followed by one loop over the partial tiles on both sides of them (checked)."""
     from torch.testing import FileCheck
 
     loops = kernel.count("for start_n in range(") + kernel.count("for partial_n in range(")
     assert loops in (1, 2), f"{loops} column-tile loops"
-    if loops == 2 and "for partial_n in range(" in kernel:
+    if loops == 2:
         FileCheck().check("for start_n in range(full_lo, full_hi, BLOCK_N)").check(
             "for partial_n in range(0, partial_before + (end_n - full_hi), BLOCK_N)"
-        ).run(kernel)
-    elif loops == 2:
-        FileCheck().check("for start_n in range(first_n, whole_end, BLOCK_N)").check("if not EVEN_N:").check(
-            "for start_n in range(whole_end, end_n, BLOCK_N)"
         ).run(kernel)
     return loops
 

@@ -104,17 +104,14 @@ ONE_HEAD = r"""    # Each operand keeps its own batch dims and strides (transpos
 N_LOOP = r"""for start_n in range(START, END, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         col_in_bounds = offs_n[None, :] < N
-        if WHOLE_TILES:
+        if EVEN_N:
             fl_n = offs_n[None, :].to(POSITION_DTYPE)
         else:
             fl_n = tl.minimum(offs_n, N - 1)[None, :].to(POSITION_DTYPE)
 
         # scores = Q Kᵀ for this tile, never written to memory.
-        kt_tile = kt_base + offs_d[:, None] * {{stride("KT", -2)}} + offs_n[None, :] * {{stride("KT", -1)}}
-        if WHOLE_TILES and D == D_TILE:
-            kt = tl.load(kt_tile)  # a whole tile: nothing to bound
-        else:
-            kt = tl.load(kt_tile, mask=(offs_d[:, None] < D) & col_in_bounds, other=0.0)
+        kt = tl.load(kt_base + offs_d[:, None] * {{stride("KT", -2)}} + offs_n[None, :] * {{stride("KT", -1)}},
+                     mask=(offs_d[:, None] < D) & col_in_bounds, other=0.0)
         if UPCAST_DOT_OPERANDS:
             kt = kt.to(tl.float32)
         scores = tl.dot(q, kt, input_precision=DOT_PRECISION)
@@ -124,53 +121,21 @@ N_LOOP = r"""for start_n in range(START, END, BLOCK_N):
         ACCUMULATE
 """
 
-def _column_loop(header: str, chain: int, accumulate: str, whole: bool) -> str:
-    """A loop over column tiles (``header``) running chain subgraph ``chain`` then ``accumulate``. ``whole``: no
-    tile of the loop reaches past N, so its bounds tests are the constant True; otherwise they hold when N is a
-    multiple of BLOCK_N."""
-    loop = N_LOOP.replace("for start_n in range(START, END, BLOCK_N):", header).replace("CHAIN", str(chain))
-    if whole:
-        loop = loop.replace(":\n", ":  # whole tiles: their bounds tests below are True\n", 1)
-    return loop.replace("ACCUMULATE", accumulate).replace("WHOLE_TILES", "True" if whole else "EVEN_N")
-
-
-def _nested(code: str) -> str:
-    """``code`` one block deeper (its lines and the indentation of the chains Inductor generates into it)."""
-    deeper = "\n".join("    " + line if line else line for line in code.splitlines())
-    return re.sub(r"indent_except_first\((\d)\)", lambda level: f"indent_except_first({int(level[1]) + 1})", deeper)
-
-
-# Whole tiles need no bounds tests (masked loads, the columns' where): a ragged N gets its last tile a loop of its
-# own, compiled only when N is not a multiple of BLOCK_N.
-WHOLE_TILES_END = """# Whole column tiles first; when N is not a multiple of BLOCK_N the last tile is ragged and bounds its columns.
-    whole_end = tl.maximum(first_n, tl.minimum(end_n, N // BLOCK_N * BLOCK_N))
-    """
-
-def _one_loop(accumulate: str) -> str:
-    whole = _column_loop("for start_n in range(first_n, whole_end, BLOCK_N):", 0, accumulate, whole=True)
-    ragged = _column_loop("for start_n in range(whole_end, end_n, BLOCK_N):", 0, accumulate, whole=False)
-    return WHOLE_TILES_END + whole + "    if not EVEN_N:\n" + _nested("    " + ragged) + "\n"
+ONE_LOOP = N_LOOP.replace("START", "first_n").replace("END", "end_n").replace("CHAIN", "0")
 
 # Tiles the mask leaves entirely visible (contiguous between full_lo and full_hi, found by the pre-pass) run the
 # user's chain without its mask; the tiles the mask cuts through, on either side, run the whole chain in one more
-# loop (one loop, not one per side: a loop costs a pipeline fill and drain, and compile time). A ragged last tile
-# joins the partial ones, so the visible loop has whole tiles only.
+# loop (one loop, not one per side: a loop costs a pipeline fill and drain, and compile time).
 PARTIAL_TILES_HEADER = """partial_before = full_lo - first_n  # partial tiles before the visible ones, in columns
     for partial_n in range(0, partial_before + (end_n - full_hi), BLOCK_N):
         start_n = tl.where(partial_n < partial_before, first_n + partial_n, full_hi + (partial_n - partial_before))"""
 
-VISIBLE_WHOLE_TILES = """if not EVEN_N:
-        full_hi = tl.maximum(full_lo, tl.minimum(full_hi, N // BLOCK_N * BLOCK_N))
-    """
-
-def _split_loops(accumulate: str) -> str:
-    return (
-        VISIBLE_WHOLE_TILES
-        + "# Entirely visible tiles: the chain without its mask (no per-element mask math).\n    "
-        + _column_loop("for start_n in range(full_lo, full_hi, BLOCK_N):", 1, accumulate, whole=True)
-        + "    # Tiles the mask cuts through, before and after the entirely visible ones: the whole chain.\n    "
-        + _column_loop(PARTIAL_TILES_HEADER, 0, accumulate, whole=False)
-    )
+SPLIT_LOOPS = (
+    "# Entirely visible tiles: the chain without its mask (no per-element mask math).\n    "
+    + N_LOOP.replace("START", "full_lo").replace("END", "full_hi").replace("CHAIN", "1")
+    + "    # Tiles the mask cuts through, before and after the entirely visible ones: the whole chain.\n    "
+    + N_LOOP.replace("for start_n in range(START, END, BLOCK_N):", PARTIAL_TILES_HEADER).replace("CHAIN", "0")
+)
 
 ATTENTION_TAIL = r"""
     OUTPUT_BATCH_INDEX
@@ -202,7 +167,7 @@ SINK_STATE = """sink_base = SINK + BATCH_OFFSET_SINK
     l_i = tl.where(m_i == float("-inf"), 0.0, 1.0)  # exp2(sink - m_i)
     acc = tl.zeros([BLOCK_M, DV_TILE], tl.float32)  # running sum of exp2(logit - m_i) * V"""
 
-SOFTMAX_ACCUMULATE = """if WHOLE_TILES:
+SOFTMAX_ACCUMULATE = """if EVEN_N:
             logits = logits.to(tl.float32)
         else:
             logits = tl.where(col_in_bounds, logits.to(tl.float32), float("-inf"))
@@ -247,7 +212,7 @@ PAIR_FINISH = """
 LINEAR_STATE = """acc = tl.zeros([BLOCK_M, DV_TILE], tl.float32)  # running sum of chain(scores) * V"""
 
 LINEAR_ACCUMULATE = """# acc += P V, with P the chain's output (columns past N weigh nothing).
-        if WHOLE_TILES:
+        if EVEN_N:
             p = logits
         else:
             p = tl.where(col_in_bounds, logits, 0.0)
@@ -256,11 +221,8 @@ LINEAR_ACCUMULATE = """# acc += P V, with P the chain's output (columns past N w
 
 LINEAR_FINISH = "# No normaliser: the sum over N is the result."
 
-LOAD_V = """v_tile = v_base + offs_n[:, None] * {{stride("V", -2)}} + offs_dv[None, :] * {{stride("V", -1)}}
-        if WHOLE_TILES and DV == DV_TILE:
-            v = tl.load(v_tile)
-        else:
-            v = tl.load(v_tile, mask=(offs_n[:, None] < N) & (offs_dv[None, :] < DV), other=0.0)
+LOAD_V = """v = tl.load(v_base + offs_n[:, None] * {{stride("V", -2)}} + offs_dv[None, :] * {{stride("V", -1)}},
+                    mask=(offs_n[:, None] < N) & (offs_dv[None, :] < DV), other=0.0)
         if UPCAST_DOT_OPERANDS:
             p = p.to(PROBABILITY_DTYPE).to(tl.float32)
             v = v.to(tl.float32)
@@ -421,8 +383,9 @@ def online_softmax_attention_template(
         accumulate = accumulate.replace("# acc = alpha * acc + P V", PAIR_ACCUMULATE + "# acc = alpha * acc + P V")
     tile_range = _tile_range(masked_tile_code, visible_tile_code, id_subgraphs, table_subgraph)
     one_head = (
-        ONE_HEAD.replace("N_LOOPS", (_one_loop if visible_tile_code is None else _split_loops)(accumulate.replace("LOAD_V", LOAD_V)))
+        ONE_HEAD.replace("N_LOOPS", ONE_LOOP if visible_tile_code is None else SPLIT_LOOPS)
         .replace("ROW_STATE", state)
+        .replace("ACCUMULATE", accumulate.replace("LOAD_V", LOAD_V))
         .replace("FINISH", finish)
         .replace("TILE_RANGE", tile_range)
     )
@@ -431,7 +394,9 @@ def online_softmax_attention_template(
     if groups == 1:
         heads = "    fl_z = out_z.to(POSITION_DTYPE)\n" + one_head
     else:
-        heads = GROUPED_HEADS.replace("ONE_HEAD", _nested(one_head))
+        nested = "\n".join("    " + line if line else line for line in one_head.splitlines())
+        deeper = re.sub(r"indent_except_first\((\d)\)", lambda level: f"indent_except_first({int(level[1]) + 1})", nested)
+        heads = GROUPED_HEADS.replace("ONE_HEAD", deeper)
     source = ATTENTION_HEAD.replace("INPUT_NAMES", ", ".join(f'"{name}"' for name in names)) + heads + _attention_tail(output_batch)
     return _template_of(source)
 
