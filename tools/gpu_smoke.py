@@ -1,4 +1,4 @@
-"""Run as `PYTHONPATH=. python tools/gpu_smoke.py`. Quick GPU check: every variant idiom fuses into one kernel and matches a float32 reference (small shapes)."""
+"""Run as `PYTHONPATH=. python tools/gpu_smoke.py [N | --case=K]`. Quick GPU check: every variant idiom fuses into one kernel and matches a float32 reference (small shapes)."""
 
 import dataclasses
 import logging
@@ -22,7 +22,9 @@ ALL_CASES = [
     (Shape(2, 4, 300, 300, 64), torch.float32),
     (Shape(1, 4, 129, 77, 128), torch.float16),
 ]
-CASES = ALL_CASES[: int(sys.argv[1])] if len(sys.argv) > 1 else ALL_CASES
+# `N`: the first N cases; `--case=K`: case K alone (0-based).
+chosen = [ALL_CASES[int(arg.split("=", 1)[1])] for arg in sys.argv[1:] if arg.startswith("--case=")]
+CASES = chosen or (ALL_CASES[: int(sys.argv[1])] if len(sys.argv) > 1 else ALL_CASES)
 for shape, dtype in CASES:
     if True:
         for variant in VARIANTS.values():
