@@ -23,6 +23,16 @@ flashlight.enable()  # explicit, so the scripts also run from a checkout that is
 from benchmarks.variants import VARIANTS, Shape, Variant, make_inputs
 from inductor_overlay import config as overlay_config
 
+# Our kernel with one overlay feature switched off (or set back), for in-run A/B against `flashlight`.
+FLASHLIGHT_POLICIES: dict[str, dict[str, Any]] = {
+    "flashlight_sdpa_off": {"sdpa_pattern_policy": "flashlight"},
+    "flashlight_unsplit": {"split_visible_tiles": False},
+    "flashlight_scalar_scan": {"vector_tile_scan": False},
+    "flashlight_no_skip": {"block_skipping": False},
+    "flashlight_launch_in_order": {"last_rows_first": False},
+    "flashlight_unfolded": {"fold_logit_scale": False},
+    "flashlight_visible_loop_d64": {"visible_loop_max_head_dim": 64},
+}
 COLUMNS = "variant,impl,B,H,M,N,D,dtype,ms,tflops,rel_err,compile_s,device,torch,triton,date".split(",")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -103,18 +113,8 @@ def bench_one(variant: Variant, shape: Shape, dtype: torch.dtype, impls: list[st
         try:
             if impl == "eager":
                 run = fn
-            elif impl in ("compile", "flashlight", "flashlight_sdpa_off", "flashlight_unsplit", "flashlight_scalar_scan",
-                          "flashlight_no_skip", "flashlight_launch_in_order",
-                          "flashlight_unfolded", "flashlight_visible_loop_d64"):
-                policy = {
-                    "flashlight_sdpa_off": {"sdpa_pattern_policy": "flashlight"},
-                    "flashlight_unsplit": {"split_visible_tiles": False},
-                    "flashlight_scalar_scan": {"vector_tile_scan": False},
-                    "flashlight_no_skip": {"block_skipping": False},
-                    "flashlight_launch_in_order": {"last_rows_first": False},
-                    "flashlight_unfolded": {"fold_logit_scale": False},
-                    "flashlight_visible_loop_d64": {"visible_loop_max_head_dim": 64},
-                }.get(impl, {})
+            elif impl in ("compile", "flashlight", *FLASHLIGHT_POLICIES):
+                policy = FLASHLIGHT_POLICIES.get(impl, {})
                 start = time.perf_counter()
                 run, _ = compiled(fn, overlay=impl != "compile", **policy)(q, k, v, **extras)
                 torch.cuda.synchronize()

@@ -8,6 +8,7 @@ H100 answer (benchmarks/results/h100_2026-11-22_hopper_probe/probe.txt): neither
 11% slower by config; the prefetch 4-51% slower, or out of shared memory at 3 stages). The plain kernel with
 128x128 tiles, 8 warps and 3 stages beat our template by 13% at D128, which led to the visible-tile loop there."""
 
+import datetime
 import itertools
 import sys
 
@@ -96,6 +97,7 @@ def run(q, k, v, block_m, block_n, warps, stages, prefetch, tma):
 
 def main():
     triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.int8, device="cuda"))
+    print(f"{torch.cuda.get_device_name()} torch {torch.__version__} triton {triton.__version__} {datetime.date.today()}", flush=True)
     shapes = [(4, 32, 4096, 128), (1, 32, 16384, 128), (4, 32, 4096, 64)]
     for b, h, s, d in shapes:
         torch.manual_seed(0)

@@ -527,8 +527,9 @@ def find_attention(pv: torch.fx.Node, dead: frozenset = frozenset()) -> Union[De
         if unprofitable is not None:
             return unprofitable
 
+    sources = _batch_source(q), _batch_source(kt), _batch_source(v)
     operand_scale = 1.0
-    for operand in (_batch_source(q).node, _batch_source(kt).node):
+    for operand in (sources[0].node, sources[1].node):
         scaling, factor = _operand_scale(operand)
         if scaling is not None:
             operand_scale *= factor
@@ -539,7 +540,7 @@ def find_attention(pv: torch.fx.Node, dead: frozenset = frozenset()) -> Union[De
     internal = set(scores) | {n for n in chain if depends_on(n, qk, {})} | set(softmax_nodes) | set(passthrough)
     internal |= set(pair.nodes) if pair is not None else set()
     replaced = {pv} | ({pair.result} if pair is not None else set())
-    operands = [source.node for source in (_batch_source(q), _batch_source(kt), _batch_source(v))]
+    operands = [source.node for source in sources]
     for node in internal:
         outside = [
             u for u in node.users
@@ -563,9 +564,9 @@ def find_attention(pv: torch.fx.Node, dead: frozenset = frozenset()) -> Union[De
         sink=sink,
         pair=pair,
         operand_scale=operand_scale,
-        q=_batch_source(q),
-        kt=_batch_source(kt),
-        v=_batch_source(v),
+        q=sources[0],
+        kt=sources[1],
+        v=sources[2],
     )
 
 
@@ -589,9 +590,11 @@ def _size_source(read: torch.fx.Node, operands: list[torch.fx.Node]) -> Optional
 def _reroute_size_reads(region: AttentionRegion) -> None:
     """Size reads of the nodes fusion removes read the same sizes from graph inputs or the operands instead."""
     operands = [region.q.node, region.kt.node, region.v.node]
-    for node in region.internal:
-        for read in [u for u in node.users if u not in region.internal and _size_source(u, operands) is not None]:
-            source, dim = _size_source(read, operands)
+    reads = [u for node in region.pv.graph.nodes if node in region.internal for u in node.users if u not in region.internal]
+    for read in dict.fromkeys(reads):  # in graph order, each once
+        found = _size_source(read, operands)
+        if found is not None:
+            source, dim = found
             if dim is not None:
                 with read.graph.inserting_before(read):
                     source = call_op(read.graph, aten.sym_size.int, (source, dim))
