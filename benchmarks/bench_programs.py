@@ -3,7 +3,7 @@
     python -m benchmarks.bench_programs --programs diff_attention,evoformer_row_attention --out DIR [--block]
 
 Implementations: ``eager``, ``compile`` (default torch.compile, overlay off), ``flashlight`` (overlay on),
-``flashlight_grouped`` (with ``combine_head_groups_in_kernel``), and ``flex`` where FlexAttention approximates the
+``flashlight_two_kernels`` (``combine_head_groups_in_kernel`` off: DiffAttn's head combination in a kernel of its own), and ``flex`` where FlexAttention approximates the
 program. Times are medians of ``triton.testing.do_bench``; every row
 is checked against a float32 eager reference (computed in head chunks where the full one would not fit). Results:
 ``DIR/programs.csv``, ``DIR/programs.md``, ``DIR/log.txt``, with device, versions and date on each row.
@@ -105,8 +105,8 @@ def bench_program(program: Program, size: dict, impls: list[str], stamp: dict, l
                 run, out = compiled(FLEX_APPROXIMATIONS[program.name], overlay=False)(**inputs)
                 torch.cuda.synchronize()
                 compile_s = time.perf_counter() - start
-            elif impl in ("compile", "flashlight", "flashlight_grouped"):
-                policy = {"combine_head_groups_in_kernel": True} if impl == "flashlight_grouped" else {}
+            elif impl in ("compile", "flashlight", "flashlight_two_kernels"):
+                policy = {"combine_head_groups_in_kernel": False} if impl == "flashlight_two_kernels" else {}
                 start = time.perf_counter()
                 run, out = compiled(fn, overlay=impl != "compile", **policy)(**inputs)
                 torch.cuda.synchronize()

@@ -66,19 +66,24 @@ def test_program_fuses_and_matches_eager(name):
     assert counters["inductor"]["flashlight_fault_fallback"] == 0
 
 
-def test_diff_attention_combines_the_head_pair_in_registers():
+def test_diff_attention_combines_the_head_pair_in_one_kernel():
     """One program runs both softmaxes of a head pair (V's head read in place by both) and adds A0·V − λ·A1·V into
-    one output tile: no per-head output buffer, only the output and the two head coefficients."""
+    one output tile; the first head's weighted result waits in a partial-sum buffer of the output's size that the
+    same program reads back: no per-head output buffer, only the output, the partial sum and the two coefficients."""
     program = programs.PROGRAMS["diff_attention"]
     inputs = program.inputs(**program.cpu_size)
     out, code = compile_on_cpu(program.fn, inputs, combine_head_groups_in_kernel=True)
     testing.assert_close_to_reference(out, program.fn(**float64(inputs)))
-    testing.check_kernels(code, kernels=3, extern_calls=0)  # + two one-element kernels: the coefficients 1 and -λ
-    FileCheck().check("for group in range(GROUPS)").check("alpha = tl.exp2(").check(
+    testing.check_kernels(code, kernels=2, extern_calls=0)  # + one two-element kernel: the coefficients 1 and -λ
+    kernel = fused_kernel(code)
+    FileCheck().check("for group in tl.static_range(GROUPS)").check("alpha = tl.exp2(").check(
         "acc = tl.dot(p, v, acc * alpha"
-    ).check("acc = acc / l_i").check("combined += tl.load(COEF").check("acc = combined").run(fused_kernel(code))
+    ).check("acc = acc / l_i").check("acc = tl.load(COEF").check("if group > 0:").check("tl.debug_barrier()").check(
+        "acc += tl.load(partial_tile"
+    ).check("if group < GROUPS - 1:").check("tl.store(partial_tile").run(kernel)
+    FileCheck().check_count("tl.dot(", program.dots * testing.column_tile_loops(kernel), exactly=True).run(kernel)
     allocated = sorted(testing.allocated_buffer_numels(code))
-    assert allocated[-1] == out.numel() and sum(allocated[:-1]) <= 4, allocated
+    assert allocated[-2:] == [out.numel(), out.numel()] and sum(allocated[:-2]) <= 4, allocated
 
 
 def diff_attention_per_head_lambda(q, k, v, lam):

@@ -6,10 +6,10 @@ dim the matmul contracts, so ``(Σ_j c_j·A_j) V = Σ_j c_j·(A_j V)``. The righ
 heads — head ``2i+j`` reads V's head ``i`` in place through a stride-0 expand, as for GQA — followed by the same
 combination applied to its ``[.., M, Dv]`` output: a pointwise op over the output instead of over the M×N
 probabilities. The attention then fuses into one online-softmax kernel. When the coefficients are scalars and the
-split dim is the innermost head dim, that kernel can also do the combination (``config.combine_head_groups_in_kernel``):
+split dim is the innermost head dim, that kernel also does the combination (``config.combine_head_groups_in_kernel``):
 each program runs the heads of one group in turn and adds their normalised outputs, weighted, into one output
-tile (one kernel, and the per-head outputs never reach memory). The rewrite is kept only when the new matmul fuses (``find_attention`` accepts it);
-otherwise the graph is left as it was.
+tile (one kernel, and the per-head outputs never reach memory). The rewrite is kept only when the new matmul fuses
+(``find_attention`` accepts it); otherwise the graph is left as it was.
 """
 
 from __future__ import annotations
@@ -124,16 +124,21 @@ class _Builder:
 
 
 def _coefficient_vector(build: _Builder, found: _Combination, groups: int) -> torch.fx.Node:
-    """The combination's coefficient of each head, ``c_j = combination(e_j)`` (it is linear), as a [G] tensor."""
+    """The combination's coefficient of each head, ``c_j = combination(e_j)`` (it is linear), as a [G] tensor built
+    by pointwise ops only (``where(iota(G) == j, c_j, ...)``), so that it is one small kernel, not one per head."""
     device = _val(found.heads).device
-    coefficients = []
+    head_index = build.call(
+        torch.ops.prims.iota.default, groups, start=0, step=1, dtype=torch.int64, device=device, requires_grad=False
+    )
+    vector = build.call(aten.full.default, [groups], 0.0, dtype=torch.float32, device=device)
     for head in range(groups):
         units = {
             s: build.call(aten.full.default, [], float(s.args[2] % groups == head), dtype=torch.float32, device=device)
             for s in found.selects
         }
-        coefficients.append(build.call(aten.reshape.default, found.replay(build, units), [1]))
-    return build.call(aten.cat.default, coefficients)
+        coefficient = build.call(torch.ops.prims.convert_element_type.default, found.replay(build, units), torch.float32)
+        vector = build.call(aten.where.self, build.call(aten.eq.Scalar, head_index, head), coefficient, vector)
+    return vector
 
 
 def distribute_over_heads(pv: torch.fx.Node) -> Optional[Decline]:
@@ -151,7 +156,7 @@ def distribute_over_heads(pv: torch.fx.Node) -> Optional[Decline]:
         return Decline("the combination does not use every head of the split dim exactly once")
 
     build = _Builder(pv)
-    # Scalar coefficients on the innermost batch dim: the kernel combines each group of heads in registers.
+    # Scalar coefficients on the innermost batch dim: the kernel combines each group of heads itself.
     in_kernel = (
         config.combine_head_groups_in_kernel
         and dim == len(head_shape) - 3

@@ -343,14 +343,25 @@ VISIBLE_RANGE_STATE = """
 
 
 # Heads whose outputs the user combines linearly (DiffAttn's A0·V − λ·A1·V, distributed by
-# fx_passes/head_combination.py): one program runs the pass for each head of its group in turn and adds the
-# normalised result, times the head's coefficient, into the output tile, so the per-head outputs never reach memory.
-GROUPED_HEADS = """    combined = tl.zeros([BLOCK_M, DV_TILE], tl.float32)
-    for group in range(GROUPS):
+# fx_passes/head_combination.py): one program runs the pass for each head of its group in turn (the group loop is
+# unrolled) and adds the normalised result, times the head's coefficient, into a partial sum. Until the last head
+# the partial sum waits in PARTIAL, rows this program alone writes and reads back, not in registers: held there
+# through the next head's loop it doubled the live accumulators and spilled at head dim 128. It is rounded to the
+# output dtype there, as the per-head outputs of the two-kernel form are; the per-head outputs never reach memory.
+# (A loop that is not unrolled compiled faster but ran up to 15% slower at head dim 128 on the H100:
+# benchmarks/results/h100_2026-11-23_diff_partial_sum/.)
+GROUPED_HEADS = """    partial_tile = PARTIAL + out_z * {{stride("PARTIAL", 0)}} + offs_m[:, None] * {{stride("PARTIAL", 1)}} + offs_dv[None, :] * {{stride("PARTIAL", 2)}}
+    partial_in_bounds = row_in_bounds & (offs_dv[None, :] < DV)
+    for group in tl.static_range(GROUPS):
         fl_z = (out_z * GROUPS + group).to(POSITION_DTYPE)
 ONE_HEAD
-        combined += tl.load(COEF + group * {{stride("COEF", 0)}}).to(tl.float32) * acc
-    acc = combined
+        acc = tl.load(COEF + group * {{stride("COEF", 0)}}).to(tl.float32) * acc
+        if group > 0:
+            # Every thread of the program sees the partial sum the others stored.
+            tl.debug_barrier()
+            acc += tl.load(partial_tile, mask=partial_in_bounds, other=0.0).to(tl.float32)
+        if group < GROUPS - 1:
+            tl.store(partial_tile, acc.to(PARTIAL.dtype.element_ty), mask=partial_in_bounds)
 """
 
 
@@ -371,7 +382,7 @@ def online_softmax_attention_template(
     none), head groups (1: no combination), pair reduction (the per-pair tensor's batch dims, or None), output
     batch dims (their sizes; one dim, of any size, for a flattened batch), id-equality mask (the subgraphs of
     its row and column ids, or None) and mask tensor (the subgraph of its cell states, or None)."""
-    names = ["Q", "KT", "V", "SINK"][: len(batch_ranks)] + (["COEF"] if groups > 1 else [])
+    names = ["Q", "KT", "V", "SINK"][: len(batch_ranks)] + (["COEF", "PARTIAL"] if groups > 1 else [])
     if not softmax:
         state, accumulate, finish = LINEAR_STATE, LINEAR_ACCUMULATE, LINEAR_FINISH
     else:
@@ -469,11 +480,10 @@ def _fitting_stages(config: tuple[int, int, int, int], d: int, dv: int, element_
 
 
 def kernel_configs(
-    d: int, dv: int, device: torch.device, groups: int = 1, pair_channels: int = 0, element_bytes: int = 0,
+    d: int, dv: int, device: torch.device, pair_channels: int = 0, element_bytes: int = 0,
     columns: int = 0,
 ) -> list[dict[str, int]]:
-    """Tile sizes to autotune over (BLOCK_M, BLOCK_N, warps, stages), pruned by the head dims (QK, V), by
-    head groups (whose combined output tile is live beside the accumulator: more warps per row tile), by the
+    """Tile sizes to autotune over (BLOCK_M, BLOCK_N, warps, stages), pruned by the head dims (QK, V), by the
     channels of a pair reduction, and by the shared memory left beside the tiles of score-sized tensors the chain
     reads (``element_bytes`` per score: a mask or a bias, whose loads are pipelined too) and by the row length
     (``columns``, N)."""
@@ -483,9 +493,6 @@ def kernel_configs(
         fitting = [t for t in PAIR_TILES if t[0] * t[1] * _tile(pair_channels) <= 4096 * t[2]] or PAIR_TILES[-1:]
         m, n, w, s = fitting[0]
         return [dict(BLOCK_M=m, BLOCK_N=n, num_warps=w, num_stages=s)]
-    if groups > 1:
-        shapes = [(64, 64, 4, 3), (128, 64, 8, 3), (64, 64, 8, 3)] if dv <= 128 else [(64, 64, 8, 2), (64, 32, 8, 2), (64, 32, 4, 2)]
-        return [dict(BLOCK_M=m, BLOCK_N=n, num_warps=w, num_stages=s) for m, n, w, s in shapes]
     # From H100 sweeps (bf16): benchmarks/results/h100_2026-11-22_tile_sweep (causal and soft-cap) and
     # h100_2026-11-22_programs/sweep.txt (DiffAttn's D/Dv = 64/128 and 128/256, Evoformer): winners and runners-up.
     if max(d, dv) <= 64:
@@ -643,11 +650,12 @@ def _lower_attention(q, kt, v, captured, sink, chain_id, group_coefficients=None
     # Realised as they are: the kernel reads any strides (no stride-1 copy, unlike ``realize_inputs``).
     operands = [ir.ExternKernel.realize_input(t) for t in (q, kt, v, sink) if t is not None]
     ranks = tuple(len(t.get_size()) - 2 for t in operands)
-    groups = 1
+    groups, partial = 1, None
     if group_coefficients is not None:
         groups = int(group_coefficients.get_size()[0])
         z = z // groups
-        operands.append(ir.ExternKernel.realize_input(group_coefficients))
+        partial = empty_strided([z, m, dv], None, dtype=v.get_dtype(), device=device)
+        operands += [ir.ExternKernel.realize_input(group_coefficients), partial]
     channels, pair_out, pair_rank = 0, None, None
     if pair_values is not None:
         channels = V.graph.sizevars.guard_int(pair_values.get_size()[-1])
@@ -671,13 +679,13 @@ def _lower_attention(q, kt, v, captured, sink, chain_id, group_coefficients=None
     )
     choices: list[Any] = []
     element_bytes, columns = _score_sized_bytes(captured, m, n), V.graph.sizevars.size_hint(n)
-    for config in kernel_configs(d, dv, device, groups, channels, element_bytes, columns):
+    for config in kernel_configs(d, dv, device, channels, element_bytes, columns):
         error = online_softmax_attention_template(*template_key).maybe_append_choice(
             choices,
             input_nodes=operands,
             layout=layout,
             subgraphs=subgraphs,
-            mutated_inputs=[pair_out] if pair_out is not None else None,
+            mutated_inputs=[t for t in (partial, pair_out) if t is not None] or None,
             call_sizes=[z, m, n],
             D=d,
             DV=dv,
