@@ -187,9 +187,9 @@ class Program:
 PROGRAMS = {
     p.name: p
     for p in [
-        # The fused attention runs over all 2h query/key heads (each pair shares its V head, read in place); one
-        # pointwise kernel subtracts the two halves (2 kernels: the second is O(output), not O(S²)). With
-        # config.combine_head_groups_in_kernel the subtraction happens in the attention kernel instead.
+        # One program runs both heads of a pair (each reads their V head in place) and subtracts the two halves;
+        # the second kernel is one small pointwise kernel building the coefficients (1, -λ). With
+        # config.combine_head_groups_in_kernel off, a pointwise kernel over the per-head outputs subtracts instead.
         Program("diff_attention", diff_attention, diff_inputs, diff_flops, kernels=2, dots=2,
                 cpu_size=dict(B=2, H=4, S=37, D=16),
                 gpu_sizes=tuple(dict(B=max(1, 16384 // s), H=h, S=s, D=d)
