@@ -66,6 +66,12 @@ last_rows_first: bool = os.environ.get("FLASHLIGHT_LAST_ROWS_FIRST", "1") != "0"
 # Skip key tiles that the user's position mask (causal, sliding window, ...) sets entirely to -inf.
 block_skipping: bool = os.environ.get("FLASHLIGHT_BLOCK_SKIPPING", "1") != "0"
 
+# Tile configs (BLOCK_M, BLOCK_N, warps, stages) of the fused kernel: "always" autotunes among the pruned list at
+# every compile; "max-autotune" does so only under Inductor's max-autotune (``mode="max-autotune"``), as Inductor
+# treats its own templates and FlexAttention its kernel, and otherwise compiles the list's first config alone
+# (no benchmarking step, one Triton compile).
+tile_autotuning: str = os.environ.get("FLASHLIGHT_TILE_AUTOTUNING", "max-autotune")
+
 # Attention that upstream's SDPA pattern matcher recognises: "sdpa" keeps upstream's rewrite to
 # scaled_dot_product_attention, "flashlight" fuses it with the overlay instead (see benchmarks/results for why).
 sdpa_pattern_policy: str = os.environ.get("FLASHLIGHT_SDPA_PATTERN_POLICY", "sdpa")

@@ -376,6 +376,27 @@ def test_pipeline_stages_leave_room_for_score_sized_tensors():
     assert stages(1)[(64, 64)] == 3
 
 
+def test_tile_configs_are_autotuned_only_under_max_autotune_by_default():
+    """Outside max-autotune the first config of the pruned list is compiled alone (no benchmarking step), as
+    FlexAttention does; which one depends on the case: rows with a score-sized bias get 128-row tiles, 64 columns
+    wide over long rows, 32 over short ones."""
+    from torch._inductor import config as inductor_config
+
+    from inductor_overlay.kernel import online_softmax_attention as kernel
+
+    cuda = torch.device("cuda")
+    long_biased = kernel.kernel_configs(128, 128, cuda, element_bytes=2, columns=2048)
+    assert long_biased[0] == dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3)
+    assert kernel.kernel_configs(128, 128, cuda, element_bytes=2, columns=256)[0]["BLOCK_N"] == 32
+    assert kernel.kernel_configs(128, 128, cuda)[0] == dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3)
+    assert config.tile_autotuning == "max-autotune"
+    assert kernel._autotuned(long_biased) == long_biased[:1]
+    with inductor_config.patch(max_autotune=True):
+        assert kernel._autotuned(long_biased) == long_biased
+    with config.patch(tile_autotuning="always"):
+        assert kernel._autotuned(long_biased) == long_biased
+
+
 @pytest.mark.parametrize(
     "extra,expected", [("none", 0), ("mask", 1), ("bias", 4), ("row_bias", 0)], ids=["no-tensor", "mask", "bias", "broadcast-bias"]
 )

@@ -21,6 +21,7 @@ from typing import Any, Optional, Sequence
 
 import sympy
 import torch
+from torch._inductor import config as inductor_config
 from torch._inductor import ir
 from torch._inductor.lowering import empty_strided, register_lowering
 from torch._inductor.select_algorithm import (
@@ -486,30 +487,41 @@ def kernel_configs(
     """Tile sizes to autotune over (BLOCK_M, BLOCK_N, warps, stages), pruned by the head dims (QK, V), by the
     channels of a pair reduction, and by the shared memory left beside the tiles of score-sized tensors the chain
     reads (``element_bytes`` per score: a mask or a bias, whose loads are pipelined too) and by the row length
-    (``columns``, N)."""
+    (``columns``, N). The first is the one compiled alone outside max-autotune (``config.tile_autotuning``): the
+    config that won most often for its case on the H100."""
     if device.type != "cuda" or _interpreting():
         return [dict(BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=1)]
     if pair_channels:
         fitting = [t for t in PAIR_TILES if t[0] * t[1] * _tile(pair_channels) <= 4096 * t[2]] or PAIR_TILES[-1:]
         m, n, w, s = fitting[0]
         return [dict(BLOCK_M=m, BLOCK_N=n, num_warps=w, num_stages=s)]
-    # From H100 sweeps (bf16): benchmarks/results/h100_2026-11-22_tile_sweep (causal and soft-cap) and
-    # h100_2026-11-22_programs/sweep.txt (DiffAttn's D/Dv = 64/128 and 128/256, Evoformer): winners and runners-up.
+    # From H100 sweeps (bf16): benchmarks/results/h100_2026-11-22_tile_sweep (causal and soft-cap),
+    # h100_2026-11-22_programs/sweep.txt and h100_2026-11-23_diff_partial_sum/sweep (DiffAttn's D/Dv = 64/128 and
+    # 128/256, Evoformer), and the winners of autotuning in h100_2026-11-23_tile_autotuning.
     if max(d, dv) <= 64:
         shapes = [(64, 64, 4, 3), (128, 64, 8, 3), (128, 128, 4, 3)]
     elif d <= 64 and dv <= 128:
-        shapes = [(64, 64, 4, 3), (128, 64, 4, 3), (128, 128, 8, 3)]
+        shapes = [(128, 64, 4, 3), (64, 64, 4, 3), (128, 128, 8, 3)]
+    elif max(d, dv) <= 128 and element_bytes > 0:
+        # A score-sized bias or mask: over long rows 128×64 (8 warps) won by 9% over the runner-up at 2×16×8192×128
+        # (h100_2026-11-22_stages_and_scale/sweep_d128.txt) and won autotuning for the mask tensor at S 2048; over
+        # short ones 128×32 (mask tensor at S 1024; Evoformer's pair bias, rows 256 long, within 3% of the best in
+        # h100_2026-11-22_evoformer_epilogue/sweep.txt).
+        shapes = [(128, 64, 8, 3) if columns > 1024 else (128, 32, 4, 3), (64, 64, 4, 3), (128, 128, 8, 3)]
     elif max(d, dv) <= 128:
-        # With a score-sized bias or mask over long rows, 128×64 (8 warps) won by 9% over the runner-up at
-        # 2×16×8192×128 (h100_2026-11-22_stages_and_scale/sweep_d128.txt); 128×32 wins on soft-cap, which reads
-        # none, and on Evoformer's pair bias, whose rows are 256 long (h100_2026-11-22_evoformer_epilogue/sweep.txt).
-        long_biased_rows = element_bytes > 0 and columns > 1024
-        shapes = [(64, 64, 4, 3), (128, 128, 8, 3), (128, 64, 8, 3) if long_biased_rows else (128, 32, 4, 3)]
+        shapes = [(64, 64, 4, 3), (128, 128, 8, 3), (128, 32, 4, 3)]
     else:
         shapes = [(128, 64, 8, 3), (64, 64, 4, 2), (64, 32, 4, 2)]
     shared_bytes = _shared_memory_bytes(device)
     shapes = [_fitting_stages(shape, d, dv, element_bytes, shared_bytes) for shape in shapes]
     return [dict(BLOCK_M=m, BLOCK_N=n, num_warps=w, num_stages=s) for m, n, w, s in shapes]
+
+
+def _autotuned(configs: list[dict[str, int]]) -> list[dict[str, int]]:
+    """The configs to autotune among: all of them, or the first alone (``config.tile_autotuning``)."""
+    if overlay_config.tile_autotuning == "always" or inductor_config.max_autotune:
+        return configs
+    return configs[:1]
 
 
 def causal_cell_states(sizes: Sequence[int], strides: Sequence[int], device: Any = "cpu") -> torch.Tensor:
@@ -679,7 +691,7 @@ def _lower_attention(q, kt, v, captured, sink, chain_id, group_coefficients=None
     )
     choices: list[Any] = []
     element_bytes, columns = _score_sized_bytes(captured, m, n), V.graph.sizevars.size_hint(n)
-    for config in kernel_configs(d, dv, device, channels, element_bytes, columns):
+    for config in _autotuned(kernel_configs(d, dv, device, channels, element_bytes, columns)):
         error = online_softmax_attention_template(*template_key).maybe_append_choice(
             choices,
             input_nodes=operands,
