@@ -482,13 +482,14 @@ def _fitting_stages(config: tuple[int, int, int, int], d: int, dv: int, element_
 
 def kernel_configs(
     d: int, dv: int, device: torch.device, pair_channels: int = 0, element_bytes: int = 0,
-    columns: int = 0,
+    columns: int = 0, visible_loop: bool = False,
 ) -> list[dict[str, int]]:
     """Tile sizes to autotune over (BLOCK_M, BLOCK_N, warps, stages), pruned by the head dims (QK, V), by the
     channels of a pair reduction, and by the shared memory left beside the tiles of score-sized tensors the chain
     reads (``element_bytes`` per score: a mask or a bias, whose loads are pipelined too) and by the row length
-    (``columns``, N). The first is the one compiled alone outside max-autotune (``config.tile_autotuning``): the
-    config that won most often for its case on the H100."""
+    (``columns``, N), and by whether most tiles run in a loop without mask math (``visible_loop``). The first is
+    the one compiled alone outside max-autotune (``config.tile_autotuning``): the config that won most often for
+    its case on the H100."""
     if device.type != "cuda" or _interpreting():
         return [dict(BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=1)]
     if pair_channels:
@@ -509,7 +510,11 @@ def kernel_configs(
         # h100_2026-11-22_evoformer_epilogue/sweep.txt).
         shapes = [(128, 64, 8, 3) if columns > 1024 else (128, 32, 4, 3), (64, 64, 4, 3), (128, 128, 8, 3)]
     elif max(d, dv) <= 128:
+        # Causal-like chains, whose tiles mostly run the visible loop, do best on 128×128 (8 warps) as plain
+        # attention does; per-element work on every tile (soft-cap, document ids, ALiBi) on 64×64.
         shapes = [(64, 64, 4, 3), (128, 128, 8, 3), (128, 32, 4, 3)]
+        if visible_loop:
+            shapes = [shapes[1], shapes[0], shapes[2]]
     else:
         shapes = [(128, 64, 8, 3), (64, 64, 4, 2), (64, 32, 4, 2)]
     shared_bytes = _shared_memory_bytes(device)
@@ -690,8 +695,9 @@ def _lower_attention(q, kt, v, captured, sink, chain_id, group_coefficients=None
         tuple(output_batch) if output_batch is not None else (0,), id_subgraphs, table_subgraph,
     )
     choices: list[Any] = []
+    visible_loop = chain.unmasked_graph_module is not None
     element_bytes, columns = _score_sized_bytes(captured, m, n), V.graph.sizevars.size_hint(n)
-    for config in _autotuned(kernel_configs(d, dv, device, channels, element_bytes, columns)):
+    for config in _autotuned(kernel_configs(d, dv, device, channels, element_bytes, columns, visible_loop)):
         error = online_softmax_attention_template(*template_key).maybe_append_choice(
             choices,
             input_nodes=operands,
