@@ -380,7 +380,7 @@ def test_tile_configs_are_autotuned_only_under_max_autotune_by_default():
     """Outside max-autotune the first config of the pruned list is compiled alone (no benchmarking step), as
     FlexAttention does; which one depends on the case: rows with a score-sized bias get 128-row tiles, 64 columns
     wide over long rows, 32 over short ones; at head dim 128 a chain whose tiles mostly run the visible loop gets
-    128×128, others 64×64."""
+    128×128 over rows longer than 1024, others 64×64."""
     from torch._inductor import config as inductor_config
 
     from inductor_overlay.kernel import online_softmax_attention as kernel
@@ -390,7 +390,9 @@ def test_tile_configs_are_autotuned_only_under_max_autotune_by_default():
     assert long_biased[0] == dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3)
     assert kernel.kernel_configs(128, 128, cuda, element_bytes=2, columns=256)[0]["BLOCK_N"] == 32
     assert kernel.kernel_configs(128, 128, cuda)[0] == dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3)
-    assert kernel.kernel_configs(128, 128, cuda, visible_loop=True)[0] == dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3)
+    wide = dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3)
+    assert kernel.kernel_configs(128, 128, cuda, columns=2048, visible_loop=True)[0] == wide
+    assert kernel.kernel_configs(128, 128, cuda, columns=1024, visible_loop=True)[0]["BLOCK_N"] == 64
     assert config.tile_autotuning == "max-autotune"
     assert kernel._autotuned(long_biased) == long_biased[:1]
     with inductor_config.patch(max_autotune=True):

@@ -510,10 +510,11 @@ def kernel_configs(
         # h100_2026-11-22_evoformer_epilogue/sweep.txt).
         shapes = [(128, 64, 8, 3) if columns > 1024 else (128, 32, 4, 3), (64, 64, 4, 3), (128, 128, 8, 3)]
     elif max(d, dv) <= 128:
-        # Causal-like chains, whose tiles mostly run the visible loop, do best on 128×128 (8 warps) as plain
-        # attention does; per-element work on every tile (soft-cap, document ids, ALiBi) on 64×64.
+        # Causal-like chains over rows longer than 1024, whose tiles mostly run the visible loop, do best on
+        # 128×128 (8 warps) as plain attention does; shorter rows, and per-element work on every tile (soft-cap,
+        # document ids, ALiBi), on 64×64 (h100_2026-11-23_tile_autotuning/).
         shapes = [(64, 64, 4, 3), (128, 128, 8, 3), (128, 32, 4, 3)]
-        if visible_loop:
+        if visible_loop and columns > 1024:
             shapes = [shapes[1], shapes[0], shapes[2]]
     else:
         shapes = [(128, 64, 8, 3), (64, 64, 4, 2), (64, 32, 4, 2)]
