@@ -393,6 +393,9 @@ def test_tile_configs_are_autotuned_only_under_max_autotune_by_default():
     wide = dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3)
     assert kernel.kernel_configs(128, 128, cuda, columns=2048, visible_loop=True)[0] == wide
     assert kernel.kernel_configs(128, 128, cuda, columns=1024, visible_loop=True)[0]["BLOCK_N"] == 64
+    # A mask tensor's kernel reads its mask only on the partial tiles: 128×128, with the stages that fit beside it.
+    mask_tensor = kernel.kernel_configs(128, 128, cuda, element_bytes=1, columns=2048, visible_loop=True)
+    assert mask_tensor[0] == dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=2)
     assert config.tile_autotuning == "max-autotune"
     assert kernel._autotuned(long_biased) == long_biased[:1]
     with inductor_config.patch(max_autotune=True):

@@ -503,19 +503,20 @@ def kernel_configs(
         shapes = [(64, 64, 4, 3), (128, 64, 8, 3), (128, 128, 4, 3)]
     elif d <= 64 and dv <= 128:
         shapes = [(128, 64, 4, 3), (64, 64, 4, 3), (128, 128, 8, 3)]
-    elif max(d, dv) <= 128 and element_bytes > 0:
-        # A score-sized bias or mask: over long rows 128×64 (8 warps) won by 9% over the runner-up at 2×16×8192×128
-        # (h100_2026-11-22_stages_and_scale/sweep_d128.txt) and won autotuning for the mask tensor at S 2048; over
-        # short ones 128×32 (mask tensor at S 1024; Evoformer's pair bias, rows 256 long, within 3% of the best in
-        # h100_2026-11-22_evoformer_epilogue/sweep.txt).
-        shapes = [(128, 64, 8, 3) if columns > 1024 else (128, 32, 4, 3), (64, 64, 4, 3), (128, 128, 8, 3)]
     elif max(d, dv) <= 128:
-        # Causal-like chains over rows longer than 1024, whose tiles mostly run the visible loop, do best on
-        # 128×128 (8 warps) as plain attention does; shorter rows, and per-element work on every tile (soft-cap,
-        # document ids, ALiBi), on 64×64 (h100_2026-11-23_tile_autotuning/).
-        shapes = [(64, 64, 4, 3), (128, 128, 8, 3), (128, 32, 4, 3)]
+        # A score-sized bias or mask read on every tile: over long rows 128×64 (8 warps) won by 9% over the
+        # runner-up at 2×16×8192×128 (h100_2026-11-22_stages_and_scale/sweep_d128.txt); over short ones 128×32
+        # (Evoformer's pair bias, rows 256 long, within 3% of the best in h100_2026-11-22_evoformer_epilogue/sweep.txt).
+        # Without one, 64×64 (soft-cap, document ids, ALiBi, and rows up to 1024).
+        if element_bytes > 0:
+            shapes = [(128, 64, 8, 3) if columns > 1024 else (128, 32, 4, 3), (64, 64, 4, 3), (128, 128, 8, 3)]
+        else:
+            shapes = [(64, 64, 4, 3), (128, 128, 8, 3), (128, 32, 4, 3)]
+        # Chains whose tiles mostly run the visible loop (causal-like masks, a mask tensor outside its partial
+        # tiles) over rows longer than 1024 do best on 128×128 (8 warps), as plain attention does
+        # (h100_2026-11-23_tile_autotuning/).
         if visible_loop and columns > 1024:
-            shapes = [shapes[1], shapes[0], shapes[2]]
+            shapes.sort(key=lambda shape: shape != (128, 128, 8, 3))
     else:
         shapes = [(128, 64, 8, 3), (64, 64, 4, 2), (64, 32, 4, 2)]
     shared_bytes = _shared_memory_bytes(device)
