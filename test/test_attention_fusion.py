@@ -412,7 +412,7 @@ def test_configs_are_told_the_bytes_the_chain_reads_per_score(monkeypatch, extra
     from inductor_overlay.kernel import online_softmax_attention as kernel
 
     seen, original = [], kernel.kernel_configs
-    monkeypatch.setattr(kernel, "kernel_configs", lambda *args, **kw: seen.append(args[-2]) or original(*args, **kw))
+    monkeypatch.setattr(kernel, "kernel_configs", lambda *args, **kw: seen.append(kw["element_bytes"]) or original(*args, **kw))
     q, k, v = (torch.randn(1, 2, 40, 16) for _ in range(3))
     tensors = {"none": None, "mask": torch.rand(40, 40) > 0.3, "bias": torch.randn(2, 40, 40), "row_bias": torch.randn(2, 1, 40)}
 

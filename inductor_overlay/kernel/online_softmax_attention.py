@@ -699,7 +699,8 @@ def _lower_attention(q, kt, v, captured, sink, chain_id, group_coefficients=None
     choices: list[Any] = []
     visible_loop = chain.unmasked_graph_module is not None
     element_bytes, columns = _score_sized_bytes(captured, m, n), V.graph.sizevars.size_hint(n)
-    for config in _autotuned(kernel_configs(d, dv, device, channels, element_bytes, columns, visible_loop)):
+    configs = kernel_configs(d, dv, device, channels, element_bytes=element_bytes, columns=columns, visible_loop=visible_loop)
+    for config in _autotuned(configs):
         error = online_softmax_attention_template(*template_key).maybe_append_choice(
             choices,
             input_nodes=operands,
