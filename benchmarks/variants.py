@@ -285,9 +285,14 @@ def key_padding_finfo_min(q, k, v, attention_mask):
     return torch.softmax(scores + additive, dim=-1) @ v
 
 
+def key_padding_bool_masked_fill(q, k, v, attention_mask):
+    scores = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
+    return torch.softmax(scores.masked_fill(attention_mask[:, None, None, :] == 0, float("-inf")), dim=-1) @ v
+
+
 KEY_PADDING = Variant(
     name="key_padding",
-    idioms={"finfo_min": key_padding_finfo_min},
+    idioms={"finfo_min": key_padding_finfo_min, "bool_masked_fill": key_padding_bool_masked_fill},
     extras=_padding,
     flex_mask_mod=lambda extras: (lambda b, h, m, n: extras["attention_mask"][b, n] > 0),
     drawn_visible_fraction=lambda extras: float(extras["attention_mask"].double().mean()),

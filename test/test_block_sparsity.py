@@ -368,3 +368,33 @@ def test_autotuning_table_is_the_table_of_a_causal_mask():
     every = padded_all.view(cells, cell, cells, cell).amin((1, 3))
     expected = some.to(torch.int8) + every.to(torch.int8)
     assert torch.equal(causal_cell_states([2, cells, cells], [0, cells, 1])[1], expected)
+
+
+def key_padding_masked_fill(q, k, v, key_kept):
+    scores = q @ k.transpose(-2, -1) / q.shape[-1] ** 0.5
+    return torch.softmax(scores.masked_fill(~key_kept[:, None, None, :], float("-inf")), dim=-1) @ v
+
+
+def test_key_padding_mask_gets_one_row_of_cells():
+    """A key-padding mask ``[B, N]`` broadcast over heads and rows (fairseq's idiom) is summarised into one row of
+    cells per batch entry, read by every row tile: tiles of padded keys are skipped (poisoned values there never
+    reach the output), tiles with no padding run without the mask, and a batch entry with no key kept gives NaN
+    rows, as eager does. Ragged sizes (N 100)."""
+    q, k, v = (torch.randn(3, 2, 70, 16) for _ in range(3))
+    k, v = (torch.randn(3, 2, 100, 16) for _ in range(2))
+    lengths = torch.tensor([40, 100, 0])
+    key_kept = torch.arange(100)[None, :] < lengths[:, None]
+    poisoned = v.clone()
+    poisoned[0, :, 64:] = float("nan")
+    with testing.cpu_triton():
+        out, code = testing.compile_and_get_code(key_padding_masked_fill, q, k, poisoned, key_kept)
+    kernel = next(text for text in testing.triton_kernels(code).values() if "for start_n in range(" in text)
+    FileCheck().check("cell_states = ").check("| (table_lo == 2) | (n_lo >= N)").check(
+        "visible = ~masked & (((table_hi == 0)))"
+    ).run(kernel)
+    assert testing.column_tile_loops(kernel) == 2
+    cells = -(-100 // block_sparsity.MASK_TABLE_CELL)
+    assert max(testing.allocated_buffer_numels(code)) <= max(3 * 2 * 70 * 16, 3 * cells)
+    expected = key_padding_masked_fill(q.double(), k.double(), v.double(), key_kept)
+    assert torch.equal(out.isnan(), expected.isnan()) and out[2].isnan().all()
+    testing.assert_close_to_reference(out, expected)

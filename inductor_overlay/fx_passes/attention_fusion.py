@@ -659,23 +659,26 @@ def _visible_tile_code(formula: Optional[sympy.Boolean], id_mask: Optional[IdMas
 
 def _mask_table(graph: torch.fx.Graph, mask: TensorMask) -> torch.fx.Node:
     """Graph nodes reducing a mask tensor ``[*lead, M, N]`` to its cell states ``[*lead, ⌈M/c⌉, ⌈N/c⌉]`` (int8;
-    see ``MASK_TABLE_CELL``), once per call. Elements past M or N count as masked for "all masked" and as unmasked
+    see ``MASK_TABLE_CELL``), once per call; a mask broadcast over the rows (``[*lead, 1, N]``) to one row of
+    cells, which the kernel reads for every row tile (expanded). Elements past M or N count as masked for "all masked" and as unmasked
     for "some masked": the kernel masks them by bounds anyway, and never drops its bounds test."""
     masked = mask.term if not mask.negated else call_op(graph, aten.logical_not.default, (mask.term,))
     masked = call_op(graph, prims.convert_element_type.default, (masked, torch.int8))
     *lead, rows, columns = _val(masked).shape
     cell = MASK_TABLE_CELL
-    row_cells, column_cells = -(-rows // cell), -(-columns // cell)
+    row_span = cell if rows > 1 else 1  # the rows of a cell; one for a mask broadcast over the rows
+    row_cells, column_cells = -(-rows // row_span), -(-columns // cell)
 
     def reduced_per_cell(outside: int, reduction: Any) -> torch.fx.Node:
         # Along each row's contiguous columns first, then across the cell's rows: two reductions that read memory
         # in order (one over the 4-d cell view reads 32-byte pieces and ran at ~1.2 TB/s on the H100).
         padded = masked
-        if rows % cell or columns % cell:
-            padded = call_op(graph, aten.constant_pad_nd.default, (masked, [0, -columns % cell, 0, -rows % cell], outside))
-        in_rows = call_op(graph, aten.reshape.default, (padded, [*lead, row_cells * cell, column_cells, cell]))
+        if rows % row_span or columns % cell:
+            padding = [0, -columns % cell, 0, -rows % row_span]
+            padded = call_op(graph, aten.constant_pad_nd.default, (masked, padding, outside))
+        in_rows = call_op(graph, aten.reshape.default, (padded, [*lead, row_cells * row_span, column_cells, cell]))
         in_rows = call_op(graph, reduction, (in_rows, [-1]))
-        cells = call_op(graph, aten.reshape.default, (in_rows, [*lead, row_cells, cell, column_cells]))
+        cells = call_op(graph, aten.reshape.default, (in_rows, [*lead, row_cells, row_span, column_cells]))
         return call_op(graph, reduction, (cells, [-2]))
 
     return call_op(graph, aten.add.Tensor, (reduced_per_cell(0, aten.amax.default), reduced_per_cell(1, aten.amin.default)))
@@ -797,7 +800,7 @@ def fuse(region: AttentionRegion, group_coefficients: Optional[torch.fx.Node] = 
                 _chain_value_module(region, ids, list(score_shape)) for ids in (id_mask.rows, id_mask.columns)
             ),
             mask_table_module=None if mask_table is None else _chain_value_module(
-                region, mask_table, [*(score_shape[:-2] or [1]), *_val(mask_table).shape[-2:]]
+                region, mask_table, [*(score_shape[:-2] or [1]), -(-score_shape[-2] // MASK_TABLE_CELL), _val(mask_table).shape[-1]]
             ),
         )
     )

@@ -219,10 +219,12 @@ class TensorMask:
 
 
 def matched_tensor_masks(chain: list[torch.fx.Node], scores: torch.fx.Node, logits_rank: int) -> list[TensorMask]:
-    """Every -inf mask term that is a boolean tensor of the scores' last two dims, computed without the scores,
-    that neither a position formula nor an id summary covers."""
+    """Every -inf mask term that is a boolean tensor of the scores' last two dims, or of their columns broadcast
+    over the rows (a key-padding mask ``[B, 1, 1, N]``), computed without the scores, that neither a position
+    formula nor an id summary covers."""
     axis_of = _axes(chain, logits_rank)
-    score_columns = tuple(scores.meta["val"].shape[-2:])
+    rows, columns = scores.meta["val"].shape[-2:]
+    static_rows = isinstance(rows, int)
     found = []
     for node in chain:
         terms = masked_terms(node) or []
@@ -231,7 +233,9 @@ def matched_tensor_masks(chain: list[torch.fx.Node], scores: torch.fx.Node, logi
             if (
                 isinstance(value, torch.Tensor)
                 and value.dtype is torch.bool
-                and tuple(value.shape[-2:]) == score_columns
+                and value.dim() >= 2
+                and value.shape[-1] == columns
+                and (value.shape[-2] == rows or (value.shape[-2] == 1 and static_rows))
                 and all(isinstance(size, int) for size in value.shape)
                 and not _known_terms([(term, negated)], axis_of)
                 and _id_sides(term, negated, scores) is None
