@@ -660,8 +660,9 @@ def _visible_tile_code(formula: Optional[sympy.Boolean], id_mask: Optional[IdMas
 def _mask_table(graph: torch.fx.Graph, mask: TensorMask) -> torch.fx.Node:
     """Graph nodes reducing a mask tensor ``[*lead, M, N]`` to its cell states ``[*lead, ⌈M/c⌉, ⌈N/c⌉]`` (int8;
     see ``MASK_TABLE_CELL``), once per call; a mask broadcast over the rows (``[*lead, 1, N]``) to one row of
-    cells, which the kernel reads for every row tile (expanded). Elements past M or N count as masked for "all masked" and as unmasked
-    for "some masked": the kernel masks them by bounds anyway, and never drops its bounds test."""
+    cells, which the kernel reads for every row tile (expanded). Elements past M or N count as masked for "all
+    masked" and as unmasked for "some masked": the kernel masks them by bounds anyway, and never drops its bounds
+    test."""
     masked = mask.term if not mask.negated else call_op(graph, aten.logical_not.default, (mask.term,))
     masked = call_op(graph, prims.convert_element_type.default, (masked, torch.int8))
     *lead, rows, columns = _val(masked).shape
@@ -682,6 +683,11 @@ def _mask_table(graph: torch.fx.Graph, mask: TensorMask) -> torch.fx.Node:
         return call_op(graph, reduction, (cells, [-2]))
 
     return call_op(graph, aten.add.Tensor, (reduced_per_cell(0, aten.amax.default), reduced_per_cell(1, aten.amin.default)))
+
+
+def _table_cells(score_shape: torch.Size, mask_table: torch.fx.Node) -> list:
+    """The cells of the scores' rows and columns, as the kernel indexes them (one row of cells is expanded)."""
+    return [-(-score_shape[-2] // MASK_TABLE_CELL), _val(mask_table).shape[-1]]
 
 
 def _chain_value_module(region: AttentionRegion, value: torch.fx.Node, shape: list) -> torch.fx.GraphModule:
@@ -800,7 +806,7 @@ def fuse(region: AttentionRegion, group_coefficients: Optional[torch.fx.Node] = 
                 _chain_value_module(region, ids, list(score_shape)) for ids in (id_mask.rows, id_mask.columns)
             ),
             mask_table_module=None if mask_table is None else _chain_value_module(
-                region, mask_table, [*(score_shape[:-2] or [1]), -(-score_shape[-2] // MASK_TABLE_CELL), _val(mask_table).shape[-1]]
+                region, mask_table, [*(score_shape[:-2] or [1]), *_table_cells(score_shape, mask_table)]
             ),
         )
     )
