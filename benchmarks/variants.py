@@ -431,6 +431,7 @@ CROSS = Variant(
     extras=_memory_padding,
     flex_mask_mod=lambda extras: (lambda b, h, m, n: extras["memory_mask"][b, n]),
     key_fraction=0.25,
+    drawn_visible_fraction=lambda extras: float(extras["memory_mask"].double().mean()),
 )
 
 
