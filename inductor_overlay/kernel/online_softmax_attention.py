@@ -349,7 +349,7 @@ VISIBLE_RANGE_STATE = """
 # the partial sum waits in PARTIAL, rows this program alone writes and reads back, not in registers: held there
 # through the next head's loop it doubled the live accumulators and spilled at head dim 128. It is rounded to the
 # output dtype there, as the per-head outputs of the two-kernel form are; the per-head outputs never reach memory.
-# (A loop that is not unrolled compiled faster but ran up to 15% slower at head dim 128 on the H100:
+# (A loop that is not unrolled compiled faster but ran up to 16% slower at head dim 128 on the H100:
 # benchmarks/results/h100_2026-11-23_diff_partial_sum/.)
 GROUPED_HEADS = """    partial_tile = PARTIAL + out_z * {{stride("PARTIAL", 0)}} + offs_m[:, None] * {{stride("PARTIAL", 1)}} + offs_dv[None, :] * {{stride("PARTIAL", 2)}}
     partial_in_bounds = row_in_bounds & (offs_dv[None, :] < DV)
@@ -691,13 +691,12 @@ def _lower_attention(q, kt, v, captured, sink, chain_id, group_coefficients=None
     # Inductor sizes a template's index dtype by its named inputs and output only; the chain also indexes the
     # captured tensors, at positions the template computes.
     wide = not all(expr_fits_within_32bit(t.get_layout().storage_size()) for t in [*operands, *captured])
+    visible_loop = chain.unmasked_graph_module is not None
     template_key = (
-        ranks, chain.masked_tile_code, chain.softmax, groups,
-        chain.visible_tile_code if chain.unmasked_graph_module is not None else None, pair_rank,
+        ranks, chain.masked_tile_code, chain.softmax, groups, chain.visible_tile_code if visible_loop else None, pair_rank,
         tuple(output_batch) if output_batch is not None else (0,), id_subgraphs, table_subgraph,
     )
     choices: list[Any] = []
-    visible_loop = chain.unmasked_graph_module is not None
     element_bytes, columns = _score_sized_bytes(captured, m, n), V.graph.sizevars.size_hint(n)
     configs = kernel_configs(d, dv, device, channels, element_bytes=element_bytes, columns=columns, visible_loop=visible_loop)
     for config in _autotuned(configs):
