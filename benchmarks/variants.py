@@ -435,10 +435,36 @@ CROSS = Variant(
 )
 
 
+# ---------------------------------------------------------------- HF decoder: causal and padding in one additive mask
+def hf_causal_padding_4d(q, k, v, attention_mask):
+    """Hugging Face's eager decoder attention: a ``[B, 1, M, N]`` float mask, finfo.min above the diagonal and at
+    padded keys, added to the scores; softmax in float32."""
+    lowest = torch.finfo(q.dtype).min
+    causal = torch.full((q.shape[-2], k.shape[-2]), lowest, device=q.device, dtype=q.dtype).triu(1)
+    mask = causal[None, None].masked_fill(attention_mask[:, None, None, :] == 0, lowest)
+    scores = q @ k.transpose(-1, -2) * _scale(q) + mask
+    return torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype) @ v
+
+
+def _causal_padding_fraction(extras: dict) -> float:
+    kept = extras["attention_mask"].double()
+    n = kept.shape[-1]
+    return float((kept * (n - torch.arange(n, device=kept.device))).sum() / (kept.shape[0] * n * n))
+
+
+HF_DECODER_MASK = Variant(
+    name="hf_decoder_mask",
+    idioms={"additive_4d": hf_causal_padding_4d},
+    extras=_padding,
+    flex_mask_mod=lambda extras: (lambda b, h, m, n: (m >= n) & (extras["attention_mask"][b, n] > 0)),
+    drawn_visible_fraction=_causal_padding_fraction,
+    self_attention=True,
+)
+
 VARIANTS: dict[str, Variant] = {
     v.name: v
     for v in (
         VANILLA, CAUSAL, CAUSAL_MASK_TENSOR, ALIBI, ALIBI_ARANGE, SOFTCAP_VARIANT, SLIDING_WINDOW, PREFIX_LM, DOCUMENT,
-        KEY_PADDING, HEAD_BIAS, T5_BIAS, GEMMA2, GQA, GQA_CAUSAL, MQA, CROSS,
+        KEY_PADDING, HF_DECODER_MASK, HEAD_BIAS, T5_BIAS, GEMMA2, GQA, GQA_CAUSAL, MQA, CROSS,
     )
 }

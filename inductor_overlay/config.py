@@ -73,8 +73,10 @@ block_skipping: bool = os.environ.get("FLASHLIGHT_BLOCK_SKIPPING", "1") != "0"
 tile_autotuning: str = os.environ.get("FLASHLIGHT_TILE_AUTOTUNING", "max-autotune")
 
 # Attention that upstream's SDPA pattern matcher recognises: "sdpa" keeps upstream's rewrite to
-# scaled_dot_product_attention, "flashlight" fuses it with the overlay instead (see benchmarks/results for why).
-sdpa_pattern_policy: str = os.environ.get("FLASHLIGHT_SDPA_PATTERN_POLICY", "sdpa")
+# scaled_dot_product_attention, "flashlight" fuses it with the overlay instead, "unmasked_sdpa" keeps the rewrite
+# only where it adds no mask: with an additive mask SDPA runs a kernel that reads it per element and visits every
+# tile, where the overlay's mask table skips padded keys (see benchmarks/results for the measurements).
+sdpa_pattern_policy: str = os.environ.get("FLASHLIGHT_SDPA_PATTERN_POLICY", "unmasked_sdpa")
 
 
 install_config_module(sys.modules[__name__])

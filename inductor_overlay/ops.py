@@ -50,6 +50,9 @@ class ScoreChain:
     # (scores, *captured, *sizes) -> the cell states of a mask passed in as a tensor (``block_sparsity.TensorMask``), as
     # ``[*batch, ⌈M/c⌉, ⌈N/c⌉]`` with c = MASK_TABLE_CELL: the kernel skips tiles all of whose cells are masked.
     mask_table_module: Optional[torch.fx.GraphModule] = None
+    # The logits may come near -FLT_MAX (a finfo.min constant, a float tensor read): the kernel keeps its running
+    # max unscaled and scales each row so that it cannot overflow (``RUNNING_MAX_AND_P_WIDE``).
+    wide_logits: bool = False
 
 
 SCORE_CHAINS: dict[int, ScoreChain] = {}

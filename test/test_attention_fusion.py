@@ -272,13 +272,13 @@ def test_fusion_flag_off_leaves_upstream_kernels():
     testing.assert_close_to_reference(out, reference(variants.causal_masked_fill, q, k, v))
 
 
-@pytest.mark.parametrize("policy", ["sdpa", "flashlight"])
+@pytest.mark.parametrize("policy", ["sdpa", "flashlight", "unmasked_sdpa"])
 def test_sdpa_pattern_policy_decides_who_takes_vanilla_attention(policy):
     q, k, v = (fresh(1, 2, 12, 16) for _ in range(3))
     with testing.cpu_triton(), config.patch(sdpa_pattern_policy=policy):
         out, code = testing.compile_and_get_code(variants.vanilla_matmul, q, k, v)
     text = "\n".join(code)
-    if policy == "sdpa":
+    if policy in ("sdpa", "unmasked_sdpa"):
         FileCheck().check("scaled_dot_product").run(text)
         assert counters["inductor"]["flashlight_attention_fused"] == 0
     else:
@@ -380,7 +380,7 @@ def test_tile_configs_are_autotuned_only_under_max_autotune_by_default():
     """Outside max-autotune the first config of the pruned list is compiled alone (no benchmarking step), as
     FlexAttention does; which one depends on the case: rows with a score-sized bias get 128-row tiles, 64 columns
     wide over long rows, 32 over short ones; at head dim 128 a chain whose tiles mostly run the visible loop gets
-    128×128 over rows longer than 1024, others 64×64."""
+    128×128 over rows longer than 1024, others 64×64, unless a mask table decides the tiles."""
     from torch._inductor import config as inductor_config
 
     from inductor_overlay.kernel import online_softmax_attention as kernel
@@ -393,9 +393,13 @@ def test_tile_configs_are_autotuned_only_under_max_autotune_by_default():
     wide = dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3)
     assert kernel.kernel_configs(128, 128, cuda, columns=2048, visible_loop=True)[0] == wide
     assert kernel.kernel_configs(128, 128, cuda, columns=1024, visible_loop=True)[0]["BLOCK_N"] == 64
-    # A mask tensor's kernel reads its mask only on the partial tiles: 128×128, with the stages that fit beside it.
-    mask_tensor = kernel.kernel_configs(128, 128, cuda, element_bytes=1, columns=2048, visible_loop=True)
-    assert mask_tensor[0] == dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=2)
+    # A mask tensor's kernel reads its mask only on the partial tiles: 128×128, with the stages that fit beside it,
+    # at rows of 1024 too; a table over a mask the chain computes: 128×64 over long rows, 64×64 over short ones.
+    for columns in (1024, 2048):
+        mask_tensor = kernel.kernel_configs(128, 128, cuda, element_bytes=1, columns=columns, visible_loop=True, mask_table=True)
+        assert mask_tensor[0] == dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=2)
+    computed = [kernel.kernel_configs(128, 128, cuda, columns=n, visible_loop=True, mask_table=True)[0] for n in (1024, 2048)]
+    assert computed == [dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3), long_biased[0]]
     assert config.tile_autotuning == "max-autotune"
     assert kernel._autotuned(long_biased) == long_biased[:1]
     with inductor_config.patch(max_autotune=True):

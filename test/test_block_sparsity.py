@@ -398,3 +398,106 @@ def test_key_padding_mask_gets_one_row_of_cells():
     expected = key_padding_masked_fill(q.double(), k.double(), v.double(), key_kept)
     assert torch.equal(out.isnan(), expected.isnan()) and out[2].isnan().all()
     testing.assert_close_to_reference(out, expected)
+
+
+def test_additive_finfo_min_key_padding_gets_a_table():
+    """HF's key padding, ``scores + (1 - mask) * finfo.min`` broadcast over heads and rows, gets a table too: tiles of
+    padded keys are skipped (poisoned values there never reach the output), tiles with no padding run without the
+    bias. A batch entry with no key kept has no absorbing cell: it gets the mean of V, as eager does, not NaN.
+    The default SDPA policy leaves this masked pattern to the overlay."""
+    q = torch.randn(3, 2, 70, 16)
+    k, v = (torch.randn(3, 2, 100, 16) for _ in range(2))
+    attention_mask = (torch.arange(100)[None, :] < torch.tensor([40, 100, 0])[:, None]).long()
+    poisoned = v.clone()
+    poisoned[0, :, 64:] = float("nan")
+    with testing.cpu_triton():
+        out, code = testing.compile_and_get_code(variants.key_padding_finfo_min, q, k, poisoned, attention_mask)
+    kernel = next(text for text in testing.triton_kernels(code).values() if "for start_n in range(" in text)
+    FileCheck().check("cell_states = ").check("| (table_lo == 2) | (n_lo >= N)").check(
+        "visible = ~masked & (((table_hi == 0)))"
+    ).run(kernel)
+    assert testing.column_tile_loops(kernel) == 2
+    assert len(testing.triton_kernels(code)) <= 3  # the table's reductions and the attention kernel
+    expected = variants.key_padding_finfo_min(q.double(), k.double(), v.double(), attention_mask)
+    assert not out.isnan().any() and not expected.isnan().any()
+    testing.assert_close_to_reference(out, expected)
+    testing.assert_close_to_reference(out[2], v[2].double().mean(-2, keepdim=True).expand_as(out[2]))
+
+
+def _bias_then_softcap(q, k, v, attention_mask):
+    bias = (1.0 - attention_mask[:, None, None, :].to(q.dtype)) * torch.finfo(q.dtype).min
+    return torch.softmax(30 * torch.tanh((q @ k.transpose(-1, -2) + bias) / 30), dim=-1) @ v
+
+
+def test_additive_mask_under_a_softcap_is_read_per_element():
+    """No table where an absorbing bias is not enough to drop a tile: a soft-cap after it maps finfo.min to -30.
+    One kernel, every tile visited, results as eager."""
+    q, k, v = (torch.randn(2, 2, 70, 16) for _ in range(3))
+    attention_mask = (torch.arange(70)[None, :] < torch.tensor([30, 70])[:, None]).long()
+    with testing.cpu_triton(), config.patch(sdpa_pattern_policy="flashlight"):
+        out, code = testing.compile_and_get_code(_bias_then_softcap, q, k, v, attention_mask)
+    kernels = testing.triton_kernels(code)
+    assert len(kernels) == 1
+    kernel = next(iter(kernels.values()))
+    FileCheck().check_not("cell_states").run(kernel)
+    assert testing.column_tile_loops(kernel) == 1
+    testing.assert_close_to_reference(out, _bias_then_softcap(q.double(), k.double(), v.double(), attention_mask))
+
+
+def _hf_eager_attention(q, k, v, attention_mask_4d):
+    scores = q @ k.transpose(-1, -2) * q.shape[-1] ** -0.5 + attention_mask_4d
+    return torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype) @ v
+
+
+def test_hf_four_dim_additive_mask_gets_a_table():
+    """HF's eager attention adds a ``[B, 1, M, N]`` float mask, finfo.min above the diagonal and at padded keys,
+    shared by the heads: it is summarised per call into cells. Tiles above the diagonal are skipped (poisoned values
+    there never reach the rows before them), and the left-padded rows, masked throughout, get the mean of V as in
+    eager. The default SDPA policy leaves this masked pattern to the overlay."""
+    q, k, v = (torch.randn(2, 2, 100, 16) for _ in range(3))
+    position = torch.arange(100)
+    keep = (position[None, :] <= position[:, None]) & (position[None, None, :] >= torch.tensor([0, 20])[:, None, None])
+    mask = torch.zeros(2, 1, 100, 100).masked_fill(~keep[:, None], torch.finfo(torch.float32).min)
+    poisoned = v.clone()
+    poisoned[0, :, 64:] = float("nan")
+    with testing.cpu_triton():
+        out, code = testing.compile_and_get_code(_hf_eager_attention, q, k, poisoned, mask)
+    kernel = next(text for text in testing.triton_kernels(code).values() if "for start_n in range(" in text)
+    FileCheck().check("cell_states = ").check("| (table_lo == 2) | (n_lo >= N)").run(kernel)
+    assert testing.column_tile_loops(kernel) == 2
+    expected = _hf_eager_attention(q.double(), k.double(), v.double(), mask.double())
+    testing.assert_close_to_reference(out[0, :, :64], expected[0, :, :64])
+    testing.assert_close_to_reference(out[1], expected[1])
+    testing.assert_close_to_reference(out[1, :, :20], v[1].double().mean(-2, keepdim=True).expand(2, 20, 16))
+
+
+def test_per_head_bias_gets_no_table():
+    """A bias of its own per head (``[H, M, N]``) is read per element, not summarised: a table would cost a full
+    extra read of it for cells that rarely skip. One kernel."""
+    q, k, v = (torch.randn(2, 2, 40, 16) for _ in range(3))
+    bias = torch.randn(2, 40, 40)
+    with testing.cpu_triton():
+        out, code = testing.compile_and_get_code(variants.per_head_bias, q, k, v, bias)
+    assert len(testing.triton_kernels(code)) == 1
+    testing.assert_close_to_reference(out, variants.per_head_bias(q.double(), k.double(), v.double(), bias.double()))
+
+
+def test_rows_of_finfo_min_logits_get_the_mean_of_v():
+    """A row whose logits all sit at finfo.min (a batch entry padded throughout, no table to tell) must not overflow
+    to -inf when the kernel scales it to the log2 domain: eager gives it the mean of V. Kernels whose logits cannot
+    come near -FLT_MAX (causal by position) keep their running max in the log2 domain."""
+    q = torch.randn(2, 2, 40, 16)
+    k, v = (torch.randn(2, 2, 50, 16) for _ in range(2))
+    attention_mask = (torch.arange(50)[None, :] < torch.tensor([50, 0])[:, None]).long()
+    with testing.cpu_triton(), config.patch(mask_tensor_tables=False):
+        out, code = testing.compile_and_get_code(variants.key_padding_finfo_min, q, k, v, attention_mask)
+        _, causal_code = testing.compile_and_get_code(variants.causal_masked_fill, q, q, v[:, :, :40])
+    kernel = next(iter(testing.triton_kernels(code).values()))
+    FileCheck().check("m_new = tl.maximum(m_i, tl.max(logits, 1))").check(
+        "row_scale = tl.where(m_known * LOGIT_SCALE > float(\"-inf\"), LOGIT_SCALE, TINY_LOGIT_SCALE)"
+    ).check("p = tl.exp2(logits * row_scale[:, None] - (m_known * row_scale)[:, None])").run(kernel)
+    causal_kernel = next(iter(testing.triton_kernels(causal_code).values()))
+    FileCheck().check("p = tl.exp2(logits * LOGIT_SCALE - m_shift[:, None])").check_not("row_scale").run(causal_kernel)
+    expected = variants.key_padding_finfo_min(q.double(), k.double(), v.double(), attention_mask)
+    testing.assert_close_to_reference(out, expected)
+    testing.assert_close_to_reference(out[1], v[1].double().mean(-2, keepdim=True).expand_as(out[1]))

@@ -14,6 +14,7 @@ from torch._inductor.utils import fresh_cache
 import flashlight
 from benchmarks.bench_attention import parse_shape
 from benchmarks.variants import VARIANTS, make_inputs
+from inductor_overlay import config as overlay_config
 from inductor_overlay.kernel import online_softmax_attention as kernel
 
 CANDIDATES = {
@@ -27,13 +28,14 @@ CANDIDATES = {
 @contextlib.contextmanager
 def only_config(config: tuple[int, int, int, int]) -> Iterator[None]:
     """Compilations inside may give the fused kernel only ``config`` (BLOCK_M, BLOCK_N, warps, stages), from a fresh
-    cache (the config is not part of Inductor's cache key)."""
+    cache (the config is not part of Inductor's cache key), with no fallback to upstream."""
     m, n, warps, stages = config
     original = kernel.kernel_configs
-    kernel.kernel_configs = lambda *_: [dict(BLOCK_M=m, BLOCK_N=n, num_warps=warps, num_stages=stages)]
+    kernel.kernel_configs = lambda *_, **__: [dict(BLOCK_M=m, BLOCK_N=n, num_warps=warps, num_stages=stages)]
     torch._dynamo.reset()
     try:
-        with fresh_cache():
+        # A config that fails must fail the row, not time upstream's fallback.
+        with fresh_cache(), overlay_config.patch(fault_containment=False):
             yield
     finally:
         kernel.kernel_configs = original

@@ -48,15 +48,18 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from inductor_overlay import config
 from inductor_overlay.fx_passes.block_sparsity import (
+    ABSORBING_BIAS_GAP,
     IDS_ALL_EQUAL,
     MASK_TABLE_CELL,
     TABLE_CELLS_UNMASKED,
+    AdditiveMask,
     IdMask,
     TensorMask,
     depends_on,
     fully_masked_tile_code,
     fully_visible_tile_code,
     is_minus_inf,
+    matched_additive_mask,
     matched_id_masks,
     matched_tensor_masks,
     position_masks,
@@ -618,9 +621,13 @@ def _chain_inputs(region: AttentionRegion) -> tuple[torch.fx.Graph, dict]:
 
 def _score_chain_module(region: AttentionRegion, unmasked: frozenset = frozenset()) -> torch.fx.GraphModule:
     """The chain from scores to logits as its own graph: (scores, *captured) -> logits. The ``where(cond, -inf, x)``
-    nodes in ``unmasked`` pass ``x`` through (for tiles where ``cond`` is false everywhere)."""
+    nodes in ``unmasked`` pass ``x`` through (for tiles where ``cond`` is false everywhere), and an additive mask's
+    add there passes the scores through (for tiles where its bias is 0)."""
     graph, env = _chain_inputs(region)
     for node in region.chain:
+        if node in unmasked and node.target is aten.add.Tensor:  # an additive mask: its bias is 0 on these tiles
+            env[node] = env[next(arg for arg in node.args if depends_on(arg, region.score_root, {}))]
+            continue
         if node in unmasked:
             condition, if_true, if_false = node.args
             kept = if_false if is_minus_inf(if_true) else if_true
@@ -645,14 +652,14 @@ def _summarised_id_mask(region: AttentionRegion) -> Optional[IdMask]:
     return next((mask for mask in masks if {mask.rows, mask.columns} <= known), None)
 
 
-def _visible_tile_code(formula: Optional[sympy.Boolean], id_mask: Optional[IdMask], tensor_mask: Optional[TensorMask]) -> str:
+def _visible_tile_code(formula: Optional[sympy.Boolean], id_mask: Optional[IdMask], table_drops_mask: bool) -> str:
     """The test that none of the dropped masks masks any element of a tile: position masks by their formula, an
     id-equality mask alone in its ``where`` when all the tile's ids are one value, a mask tensor alone in its
-    ``where`` when its table says no cell of the tile masks anything."""
+    ``where`` (or an additive mask) when its table says no cell of the tile masks anything."""
     parts = [fully_visible_tile_code(formula)] if formula is not None else []
     if id_mask is not None and id_mask.alone:
         parts.append(IDS_ALL_EQUAL)
-    if tensor_mask is not None and tensor_mask.alone:
+    if table_drops_mask:
         parts.append(TABLE_CELLS_UNMASKED)
     return " & ".join(f"({part})" for part in parts)
 
@@ -665,24 +672,56 @@ def _mask_table(graph: torch.fx.Graph, mask: TensorMask) -> torch.fx.Node:
     test."""
     masked = mask.term if not mask.negated else call_op(graph, aten.logical_not.default, (mask.term,))
     masked = call_op(graph, prims.convert_element_type.default, (masked, torch.int8))
-    *lead, rows, columns = _val(masked).shape
-    cell = MASK_TABLE_CELL
-    row_span = cell if rows > 1 else 1  # the rows of a cell; one for a mask broadcast over the rows
-    row_cells, column_cells = -(-rows // row_span), -(-columns // cell)
+    some_masked, all_masked = (
+        _cells(graph, _cells_of_rows(graph, masked, outside, reduction), outside, reduction)
+        for outside, reduction in ((0, aten.amax.default), (1, aten.amin.default))
+    )
+    return call_op(graph, aten.add.Tensor, (some_masked, all_masked))
 
-    def reduced_per_cell(outside: int, reduction: Any) -> torch.fx.Node:
-        # Along each row's contiguous columns first, then across the cell's rows: two reductions that read memory
-        # in order (one over the 4-d cell view reads 32-byte pieces and ran at ~1.2 TB/s on the H100).
-        padded = masked
-        if rows % row_span or columns % cell:
-            padding = [0, -columns % cell, 0, -rows % row_span]
-            padded = call_op(graph, aten.constant_pad_nd.default, (masked, padding, outside))
-        in_rows = call_op(graph, aten.reshape.default, (padded, [*lead, row_cells * row_span, column_cells, cell]))
-        in_rows = call_op(graph, reduction, (in_rows, [-1]))
-        cells = call_op(graph, aten.reshape.default, (in_rows, [*lead, row_cells, row_span, column_cells]))
-        return call_op(graph, reduction, (cells, [-2]))
 
-    return call_op(graph, aten.add.Tensor, (reduced_per_cell(0, aten.amax.default), reduced_per_cell(1, aten.amin.default)))
+def _additive_mask_table(graph: torch.fx.Graph, mask: AdditiveMask) -> torch.fx.Node:
+    """Graph nodes reducing an additive mask ``[*lead, M or 1, N]`` to its cell states, as ``_mask_table`` does:
+    0 where all of a cell's bias is 0, 2 where all of it is absorbing (``ABSORBING_BIAS_GAP`` or more below its
+    row's largest bias; that wins over 0), else 1. A NaN bias makes its cell 1."""
+    bias = call_op(graph, prims.convert_element_type.default, (mask.bias, torch.float32))
+    row_cell_max = _cells_of_rows(graph, bias, -math.inf, aten.amax.default)
+    row_cell_min = _cells_of_rows(graph, bias, math.inf, aten.amin.default)
+    row_max = call_op(graph, aten.amax.default, (row_cell_max, [-1], True))
+    gap = call_op(graph, aten.sub.Tensor, (row_max, row_cell_max))  # the least gap of the row's cell elements
+    absorbing = call_op(graph, aten.ge.Scalar, (_cells(graph, gap, math.inf, aten.amin.default), ABSORBING_BIAS_GAP))
+    cell_max = _cells(graph, row_cell_max, -math.inf, aten.amax.default)
+    cell_min = _cells(graph, row_cell_min, math.inf, aten.amin.default)
+    zero = call_op(graph, aten.logical_and.default, tuple(call_op(graph, aten.eq.Scalar, (c, 0.0)) for c in (cell_max, cell_min)))
+    nonzero = call_op(graph, aten.logical_not.default, (zero,))
+    as_int8 = [call_op(graph, prims.convert_element_type.default, (flag, torch.int8)) for flag in (absorbing, nonzero)]
+    all_masked = call_op(graph, aten.mul.Tensor, (as_int8[0], 2))
+    return call_op(graph, aten.maximum.default, (all_masked, as_int8[1]))  # absorbing wins over zero
+
+
+# The two reductions below read memory in order: along each row's contiguous columns first, then across the cell's
+# rows (one reduction over a 4-d cell view reads 32-byte pieces and ran at ~1.2 TB/s on the H100).
+def _cells_of_rows(graph: torch.fx.Graph, elements: torch.fx.Node, outside: float, reduction: Any) -> torch.fx.Node:
+    """``elements [*lead, M, N]`` reduced over each row's ``MASK_TABLE_CELL`` columns of a cell, ``[*lead, M,
+    ⌈N/c⌉]``; columns past N taken as ``outside``."""
+    *lead, rows, columns = _val(elements).shape
+    if columns % MASK_TABLE_CELL:
+        elements = call_op(graph, aten.constant_pad_nd.default, (elements, [0, -columns % MASK_TABLE_CELL], outside))
+    column_cells = -(-columns // MASK_TABLE_CELL)
+    in_rows = call_op(graph, aten.reshape.default, (elements, [*lead, rows, column_cells, MASK_TABLE_CELL]))
+    return call_op(graph, reduction, (in_rows, [-1]))
+
+
+def _cells(graph: torch.fx.Graph, row_cells: torch.fx.Node, outside: float, reduction: Any) -> torch.fx.Node:
+    """``row_cells [*lead, M, C]`` reduced over each cell's ``MASK_TABLE_CELL`` rows, ``[*lead, ⌈M/c⌉, C]``; rows
+    past M taken as ``outside``. One row (a mask broadcast over the rows) is its own row of cells."""
+    *lead, rows, column_cells = _val(row_cells).shape
+    if rows == 1:
+        return row_cells
+    if rows % MASK_TABLE_CELL:
+        row_cells = call_op(graph, aten.constant_pad_nd.default, (row_cells, [0, 0, 0, -rows % MASK_TABLE_CELL], outside))
+    row_cell_count = -(-rows // MASK_TABLE_CELL)
+    cells = call_op(graph, aten.reshape.default, (row_cells, [*lead, row_cell_count, MASK_TABLE_CELL, column_cells]))
+    return call_op(graph, reduction, (cells, [-2]))
 
 
 def _table_cells(score_shape: torch.Size, mask_table: torch.fx.Node) -> list:
@@ -700,6 +739,15 @@ def _chain_value_module(region: AttentionRegion, value: torch.fx.Node, shape: li
     graph.output(graph.call_function(aten.expand.default, (env[value], shape)))
     graph.eliminate_dead_code()
     return torch.fx.GraphModule(torch.nn.Module(), graph)
+
+
+def _logits_may_near_float_max(region: AttentionRegion) -> bool:
+    """Whether the chain reads a floating-point tensor (its values are unknown: HF's additive masks hold finfo.min)
+    or computes with a constant of magnitude 2^64 or more that is not infinite."""
+    if any(_val(tensor) is not None and _val(tensor).is_floating_point() for tensor in region.captured):
+        return True
+    constants = torch.utils._pytree.tree_leaves([(node.args, node.kwargs) for node in region.chain])
+    return any(isinstance(c, float) and 2.0**64 <= abs(c) < math.inf for c in constants)
 
 
 def _worth_a_visible_loop(unmasked: torch.fx.GraphModule, region: AttentionRegion, drops_mask_loads: bool) -> bool:
@@ -775,17 +823,20 @@ def fuse(region: AttentionRegion, group_coefficients: Optional[torch.fx.Node] = 
     summarise_tensors = region.softmax and config.block_skipping and config.mask_tensor_tables
     tensor_masks = matched_tensor_masks(region.chain, region.score_root, len(score_shape)) if summarise_tensors else []
     tensor_mask = tensor_masks[0] if tensor_masks else None
+    additive_mask = None
+    if summarise_tensors and tensor_mask is None:
+        additive_mask = matched_additive_mask(region.chain, region.logits, region.score_root)
     mask_table = None
-    if tensor_mask is not None:
+    if tensor_mask is not None or additive_mask is not None:
         with graph.inserting_before(region.pv):
-            mask_table = _mask_table(graph, tensor_mask)
+            mask_table = _mask_table(graph, tensor_mask) if tensor_mask else _additive_mask_table(graph, additive_mask)
         region = dataclasses.replace(region, captured=[*region.captured, mask_table])
-    drops_mask_loads = tensor_mask is not None and tensor_mask.alone
+    drops_mask_loads = (tensor_mask is not None and tensor_mask.alone) or additive_mask is not None
     droppable = [*mask_nodes, *([id_mask.where] if id_mask is not None and id_mask.alone else [])]
-    droppable += [tensor_mask.where] if drops_mask_loads else []
+    droppable += [tensor_mask.where if tensor_mask else additive_mask.add] if drops_mask_loads else []
     unmasked = _score_chain_module(region, frozenset(droppable)) if droppable and config.split_visible_tiles else None
     split = unmasked is not None and _worth_a_visible_loop(unmasked, region, drops_mask_loads)
-    visible_tile_code = _visible_tile_code(formula, id_mask, tensor_mask) if split else None
+    visible_tile_code = _visible_tile_code(formula, id_mask, drops_mask_loads) if split else None
     chain_module, unmasked_module, folded_scale = _folded_chains(
         region, _score_chain_module(region), unmasked if visible_tile_code else None
     )
@@ -805,6 +856,7 @@ def fuse(region: AttentionRegion, group_coefficients: Optional[torch.fx.Node] = 
             id_graph_modules=None if id_mask is None else tuple(
                 _chain_value_module(region, ids, list(score_shape)) for ids in (id_mask.rows, id_mask.columns)
             ),
+            wide_logits=region.softmax and _logits_may_near_float_max(region),
             mask_table_module=None if mask_table is None else _chain_value_module(
                 region, mask_table, [*(score_shape[:-2] or [1]), *_table_cells(score_shape, mask_table)]
             ),

@@ -245,6 +245,70 @@ def matched_tensor_masks(chain: list[torch.fx.Node], scores: torch.fx.Node, logi
     return found
 
 
+# An additive bias at least this far below its row's largest bias absorbs the score it is added to: the key's weight
+# exp(x + bias - max) underflows to exactly 0 in float32 whenever the scores ``x`` before the bias spread by less than
+# 2^126 - 104 over the row, which holds for |x| < 2^125 (about 4e37, within 8x of bf16/float32 overflow). It takes
+# HF's ``finfo.min`` padding mask (bf16 and float32) and -inf; ``finfo(float16).min`` and -1e9 are too small for it.
+ABSORBING_BIAS_GAP = 2.0**126
+
+
+@dataclasses.dataclass(frozen=True)
+class AdditiveMask:
+    """``logits = scaled scores + bias``, with nothing else on the score path but constant scaling, and a
+    floating-point bias that is a mask rather than a per-head bias: broadcast over the rows (a key-padding mask added
+    as ``(1 - mask) * finfo.min``) or over the heads (HF's ``[B, 1, M, N]`` causal-and-padding mask). Its table marks
+    the cells whose bias is all 0 (the add may be dropped there) and those whose bias is absorbing
+    (``ABSORBING_BIAS_GAP`` below its row's largest): those tiles add exactly 0 to every sum. A row whose every bias
+    is equally low (a batch entry with no key kept) has no absorbing cell: eager gives it the mean of V, and so does
+    the kernel. A bias of its own per head would cost a full extra read to summarise, for tables that rarely skip."""
+
+    add: torch.fx.Node
+    bias: torch.fx.Node
+    scaled_scores: torch.fx.Node  # the add's other operand
+
+
+_SCALING = (aten.mul.Tensor, aten.div.Tensor, prims.convert_element_type.default)
+
+
+def matched_additive_mask(chain: list[torch.fx.Node], logits: torch.fx.Node, scores: torch.fx.Node) -> Optional[AdditiveMask]:
+    """The chain's additive mask (``AdditiveMask``), or None. The add must be the last op on the score
+    path (up to dtype conversions), and every op before it a dtype conversion or a product with a constant: any
+    other mask or transform on that path could make a row's largest bias a poor witness that the row keeps a key."""
+    rows, columns = scores.meta["val"].shape[-2:]
+    add = logits
+    while is_op(add, prims.convert_element_type.default):
+        add = add.args[0]
+    if not is_op(add, aten.add.Tensor) or not isinstance(rows, int):
+        return None
+    memo: dict = {}
+    sides = [arg for arg in add.args[:2] if isinstance(arg, torch.fx.Node)]
+    on_path = [arg for arg in sides if depends_on(arg, scores, memo)]
+    if len(sides) != 2 or len(on_path) != 1:
+        return None
+    scaled, bias = on_path[0], next(arg for arg in sides if arg is not on_path[0])
+    for node in chain:
+        if node is add or not depends_on(node, scores, memo) or node.op != "call_function":
+            continue
+        if node.target not in _SCALING:
+            return None
+        if node.target is not prims.convert_element_type.default and not isinstance(node.args[1], (int, float)):
+            return None  # scaled by a tensor
+    while is_op(bias, aten.expand.default):
+        bias = bias.args[0]
+    value, score_shape = bias.meta.get("val"), scores.meta["val"].shape
+    if not (
+        isinstance(value, torch.Tensor)
+        and value.is_floating_point()
+        and value.dim() >= 2
+        and value.shape[-1] == columns
+        and value.shape[-2] in (1, rows)
+        and all(isinstance(size, int) for size in value.shape)
+    ):
+        return None
+    shared_by_heads = len(score_shape) >= 3 and score_shape[-3] != 1 and (value.dim() < 3 or value.shape[-3] == 1)
+    return AdditiveMask(add, bias, scaled) if value.shape[-2] == 1 or shared_by_heads else None
+
+
 # Over the row tile's id range [row_id_lo, row_id_hi] and the column ids of SCAN_TILES tiles ([SCAN_TILES, BLOCK_N]).
 IDS_ALL_EQUAL = "((row_id_lo == row_id_hi) & (tl.min(col_ids, 1) == row_id_lo) & (tl.max(col_ids, 1) == row_id_lo))"
 

@@ -2,7 +2,8 @@
 
 Upstream's joint-graph pass (``torch/_inductor/fx_passes/fuse_attention.py``) rewrites the plain forms of
 attention into ``scaled_dot_product_attention`` before our post-grad pass sees them. ``config.sdpa_pattern_policy``
-decides: ``"sdpa"`` keeps upstream's rewrite, ``"flashlight"`` declines it so the overlay fuses the program itself.
+decides: ``"sdpa"`` keeps upstream's rewrite, ``"flashlight"`` declines it so the overlay fuses the program itself,
+``"unmasked_sdpa"`` declines the patterns that add a mask (an ``add`` among the matched nodes) and keeps the others.
 
 Upstream registers some of its patterns with a reference to ``_sfdp_params_check`` taken once per process, when
 the first graph is compiled. The wrapper therefore also answers as upstream whenever the patches are reverted, and
@@ -15,6 +16,8 @@ from __future__ import annotations
 import functools
 from typing import Any, Callable
 
+import torch
+
 from inductor_overlay import config
 from inductor_overlay.state import overlay_active
 
@@ -24,7 +27,9 @@ def wrap_sfdp_params_check(upstream_check: Callable[[Any], bool]) -> Callable[[A
     def _sfdp_params_check(match: Any) -> bool:
         import torch_patches
 
-        declines = config.attention_fusion and config.sdpa_pattern_policy == "flashlight"
+        policy = config.sdpa_pattern_policy
+        adds_a_mask = any(node.target is torch.ops.aten.add.Tensor for node in match.nodes)
+        declines = config.attention_fusion and (policy == "flashlight" or (policy == "unmasked_sdpa" and adds_a_mask))
         if declines and overlay_active() and torch_patches.is_applied():
             return False
         return upstream_check(match)

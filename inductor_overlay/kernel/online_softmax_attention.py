@@ -164,7 +164,7 @@ SOFTMAX_STATE = """m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)  # runnin
 
 SINK_STATE = """sink_base = SINK + BATCH_OFFSET_SINK
     # The sink is one more column of every row's softmax that meets no V: the running state starts from it.
-    m_i = tl.load(sink_base + offs_m * {{stride("SINK", -2)}}, mask=offs_m < M, other=0.0).to(tl.float32) * SINK_SCALE
+    m_i = tl.load(sink_base + offs_m * {{stride("SINK", -2)}}, mask=offs_m < M, other=0.0).to(tl.float32) * (SINK_SCALE / RUNNING_MAX_UNIT)
     l_i = tl.where(m_i == float("-inf"), 0.0, 1.0)  # exp2(sink - m_i)
     acc = tl.zeros([BLOCK_M, DV_TILE], tl.float32)  # running sum of exp2(logit - m_i) * V"""
 
@@ -175,16 +175,30 @@ SOFTMAX_ACCUMULATE = """if EVEN_N:
 
         # Online softmax in the log2 domain (LOGIT_SCALE: log2(e) times the chain's folded constant scale, > 0, so
         # it commutes with the max): new running max; alpha rescales everything accumulated under the old max.
-        m_new = tl.maximum(m_i, tl.max(logits, 1) * LOGIT_SCALE)
-        m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows masked so far: keep exp2 finite
-        alpha = tl.exp2(m_i - m_shift)
-        p = tl.exp2(logits * LOGIT_SCALE - m_shift[:, None])  # one fma per logit
+        RUNNING_MAX_AND_P
         l_i = l_i * alpha + tl.sum(p, 1)
 
         # acc = alpha * acc + P V (the sum over N of the unnormalised probabilities times V).
         LOAD_V
         acc = tl.dot(p, v, acc * alpha[:, None], input_precision=DOT_PRECISION)
         m_i = m_new"""
+
+RUNNING_MAX_AND_P = """m_new = tl.maximum(m_i, tl.max(logits, 1) * LOGIT_SCALE)
+        m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows masked so far: keep exp2 finite
+        alpha = tl.exp2(m_i - m_shift)
+        p = tl.exp2(logits * LOGIT_SCALE - m_shift[:, None])  # one fma per logit"""
+
+# Logits that may come near -FLT_MAX (an additive finfo.min mask, a bias read from memory) would overflow to -inf
+# once scaled by LOGIT_SCALE > 1, and a row of them would give 0/0 where eager gives the mean of V. Such kernels keep
+# the running max in the logits' own units and pick a scale per row: LOGIT_SCALE, or for a row whose max would
+# overflow, TINY_LOGIT_SCALE (LOGIT_SCALE over a power of two, in (1/2, 1]). Floats that low are at least 2^90 apart,
+# so the row's logits differ from its max by 0 or by far more than exp2 can weigh: 1 or 0 at either scale, as in
+# eager. Still one fma per logit; the extra work is per row.
+RUNNING_MAX_AND_P_WIDE = """m_new = tl.maximum(m_i, tl.max(logits, 1))  # in the logits' own units
+        m_known = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows masked so far: keep exp2 finite
+        row_scale = tl.where(m_known * LOGIT_SCALE > float("-inf"), LOGIT_SCALE, TINY_LOGIT_SCALE)
+        alpha = tl.exp2((m_i - m_known) * LOGIT_SCALE)
+        p = tl.exp2(logits * row_scale[:, None] - (m_known * row_scale)[:, None])  # one fma per logit"""
 
 SOFTMAX_FINISH = """# Normalise once, after the loop (a row whose logits were all -inf gives 0/0 = NaN, as eager does).
     acc = acc / l_i[:, None]"""
@@ -377,12 +391,14 @@ def online_softmax_attention_template(
     output_batch: tuple[int, ...] = (0,),
     id_subgraphs: Optional[tuple[int, int]] = None,
     table_subgraph: Optional[int] = None,
+    wide_logits: bool = False,
 ) -> TritonTemplate:
     """The kernel template for operands with the given numbers of batch dims (q, kᵀ, v and, if there is a fourth,
     the sink), position mask (tests for entirely masked and entirely visible tiles), normalisation (softmax, or
     none), head groups (1: no combination), pair reduction (the per-pair tensor's batch dims, or None), output
     batch dims (their sizes; one dim, of any size, for a flattened batch), id-equality mask (the subgraphs of
-    its row and column ids, or None) and mask tensor (the subgraph of its cell states, or None)."""
+    its row and column ids, or None), mask tensor (the subgraph of its cell states, or None) and whether logits
+    may come near -FLT_MAX (``RUNNING_MAX_AND_P_WIDE``)."""
     names = ["Q", "KT", "V", "SINK"][: len(batch_ranks)] + (["COEF", "PARTIAL"] if groups > 1 else [])
     if not softmax:
         state, accumulate, finish = LINEAR_STATE, LINEAR_ACCUMULATE, LINEAR_FINISH
@@ -398,6 +414,7 @@ def online_softmax_attention_template(
         ONE_HEAD.replace("N_LOOPS", ONE_LOOP if visible_tile_code is None else SPLIT_LOOPS)
         .replace("ROW_STATE", state)
         .replace("ACCUMULATE", accumulate.replace("LOAD_V", LOAD_V))
+        .replace("RUNNING_MAX_AND_P", RUNNING_MAX_AND_P_WIDE if wide_logits else RUNNING_MAX_AND_P)
         .replace("FINISH", finish)
         .replace("TILE_RANGE", tile_range)
     )
@@ -482,12 +499,13 @@ def _fitting_stages(config: tuple[int, int, int, int], d: int, dv: int, element_
 
 def kernel_configs(
     d: int, dv: int, device: torch.device, pair_channels: int = 0, element_bytes: int = 0,
-    columns: int = 0, visible_loop: bool = False,
+    columns: int = 0, visible_loop: bool = False, mask_table: bool = False,
 ) -> list[dict[str, int]]:
     """Tile sizes to autotune over (BLOCK_M, BLOCK_N, warps, stages), pruned by the head dims (QK, V), by the
     channels of a pair reduction, and by the shared memory left beside the tiles of score-sized tensors the chain
     reads (``element_bytes`` per score: a mask or a bias, whose loads are pipelined too) and by the row length
-    (``columns``, N), and by whether most tiles run in a loop without mask math (``visible_loop``). The first is
+    (``columns``, N), by whether most tiles run in a loop without mask math (``visible_loop``) and whether a mask
+    table decides which (``mask_table``). The first is
     the one compiled alone outside max-autotune (``config.tile_autotuning``): the config that won most often for
     its case on the H100."""
     if device.type != "cuda" or _interpreting():
@@ -517,6 +535,13 @@ def kernel_configs(
         # (h100_2026-11-23_tile_autotuning/).
         if visible_loop and columns > 1024:
             shapes.sort(key=lambda shape: shape != (128, 128, 8, 3))
+        # Under a mask table (h100_2026-11-23_additive_masks/sweeps): a mask tensor read per element on the partial
+        # tiles keeps 128×128 (8 warps, 2 stages fit) at rows of 1024 too, by 25% over the runner-up there; a mask
+        # computed in the chain (HF's decoder mask, key padding), with partial tiles on every padding edge, does
+        # best on 128×64 (8 warps) over rows longer than 1024, by 1–9% over 128×128.
+        if visible_loop and mask_table:
+            best = (128, 128, 8, 3) if element_bytes > 0 else (128, 64, 8, 3) if columns > 1024 else (64, 64, 4, 3)
+            shapes = [best, *[shape for shape in shapes if shape != best]]
     else:
         shapes = [(128, 64, 8, 3), (64, 64, 4, 2), (64, 32, 4, 2)]
     shared_bytes = _shared_memory_bytes(device)
@@ -694,11 +719,17 @@ def _lower_attention(q, kt, v, captured, sink, chain_id, group_coefficients=None
     visible_loop = chain.unmasked_graph_module is not None
     template_key = (
         ranks, chain.masked_tile_code, chain.softmax, groups, chain.visible_tile_code if visible_loop else None, pair_rank,
-        tuple(output_batch) if output_batch is not None else (0,), id_subgraphs, table_subgraph,
+        tuple(output_batch) if output_batch is not None else (0,), id_subgraphs, table_subgraph, chain.wide_logits,
     )
+    logit_scale, sink_scale = LOG2E * chain.folded_scale, chain.sink_scale * LOG2E
+    # Over a power of two at least LOGIT_SCALE (exact): in (1/2, 1] where LOGIT_SCALE > 1, the only case it is used.
+    tiny_logit_scale = logit_scale / 2.0 ** max(math.ceil(math.log2(logit_scale)), 0)
     choices: list[Any] = []
     element_bytes, columns = _score_sized_bytes(captured, m, n), V.graph.sizevars.size_hint(n)
-    configs = kernel_configs(d, dv, device, channels, element_bytes=element_bytes, columns=columns, visible_loop=visible_loop)
+    configs = kernel_configs(
+        d, dv, device, channels, element_bytes=element_bytes, columns=columns, visible_loop=visible_loop,
+        mask_table=chain.mask_table_module is not None,
+    )
     for config in _autotuned(configs):
         error = online_softmax_attention_template(*template_key).maybe_append_choice(
             choices,
@@ -713,8 +744,10 @@ def _lower_attention(q, kt, v, captured, sink, chain_id, group_coefficients=None
             DV_TILE=_tile(dv),
             C=channels,
             C_TILE=_tile(channels) if channels else 0,
-            LOGIT_SCALE=LOG2E * chain.folded_scale,
-            SINK_SCALE=chain.sink_scale * LOG2E,
+            LOGIT_SCALE=logit_scale,
+            SINK_SCALE=sink_scale,
+            TINY_LOGIT_SCALE=tiny_logit_scale,
+            RUNNING_MAX_UNIT=logit_scale if chain.wide_logits else 1.0,
             GROUPS=groups,
             LAST_ROWS_FIRST=overlay_config.last_rows_first,
             SCAN_TILES=64 if overlay_config.vector_tile_scan else 1,
