@@ -501,3 +501,22 @@ def test_rows_of_finfo_min_logits_get_the_mean_of_v():
     expected = variants.key_padding_finfo_min(q.double(), k.double(), v.double(), attention_mask)
     testing.assert_close_to_reference(out, expected)
     testing.assert_close_to_reference(out[1], v[1].double().mean(-2, keepdim=True).expand_as(out[1]))
+
+
+def test_layers_sharing_a_mask_share_its_table():
+    """Two attentions of one graph over the same padding mask (two layers of a model compiled whole) read one table:
+    the table's kernels appear once, beside the two attention kernels."""
+
+    def two_layers(q, k, v, attention_mask):
+        first = variants.key_padding_finfo_min(q, k, v, attention_mask)
+        return variants.key_padding_finfo_min(first, k, v, attention_mask)
+
+    q, k, v = (torch.randn(2, 2, 70, 16) for _ in range(3))
+    attention_mask = (torch.arange(70)[None, :] < torch.tensor([30, 70])[:, None]).long()
+    with testing.cpu_triton():
+        out, code = testing.compile_and_get_code(two_layers, q, k, v, attention_mask)
+    kernels = testing.triton_kernels(code)
+    attention = [name for name, text in kernels.items() if "for start_n in range(" in text]
+    assert len(attention) == 2 and all("cell_states" in kernels[name] for name in attention)
+    assert len(kernels) - len(attention) <= 2  # one table: its row-of-cells reductions
+    testing.assert_close_to_reference(out, two_layers(q.double(), k.double(), v.double(), attention_mask))

@@ -6,7 +6,10 @@ tile's softmax (``PREFETCH``), across tile configs, against SDPA (and, with ``--
 
 H100 answer (benchmarks/results/h100_2026-11-22_hopper_probe/probe.txt): neither helped (TMA from 2% faster to
 11% slower by config; the prefetch 4-51% slower, or out of shared memory at 3 stages). The plain kernel with
-128x128 tiles, 8 warps and 3 stages beat our template by 13% at D128, which led to the visible-tile loop there."""
+128x128 tiles, 8 warps and 3 stages beat our template by 13% at D128, which led to the visible-tile loop there.
+With ``--ws`` it asks the same of Triton's automatic warp specialization (``tl.range(..., warp_specialize=True)`` with
+on-device descriptors): on the H100 with triton 3.6 every config ran within 2% of the same config without it, except
+one (1x32x16384x128, 128x128, 8 warps, 3 stages) 4% faster (benchmarks/results/h100_2026-11-23_additive_masks/hopper_probe_warp_specialize.txt)."""
 
 import datetime
 import itertools
@@ -33,10 +36,11 @@ def _load_v(V, v_desc, start_n, offs_n, offs_d, N, stride_n, USE_TMA: tl.constex
 
 @triton.jit
 def _columns(q, K, V, k_desc, v_desc, m_i, l_i, acc, lo, hi, offs_m, offs_n, offs_d, N, stride_kn, stride_vn, scale,
-             MASKED: tl.constexpr, PREFETCH: tl.constexpr, USE_TMA: tl.constexpr, BLOCK_N: tl.constexpr):
+             MASKED: tl.constexpr, PREFETCH: tl.constexpr, USE_TMA: tl.constexpr, BLOCK_N: tl.constexpr,
+             WARP_SPECIALIZE: tl.constexpr = False):
     if PREFETCH:
         scores = tl.dot(q, _load_k(K, k_desc, lo, offs_n, offs_d, N, stride_kn, BLOCK_N, USE_TMA))
-    for start_n in range(lo, hi, BLOCK_N):
+    for start_n in tl.range(lo, hi, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
         if PREFETCH:
             # the next tile's QK dot is issued before this tile's softmax (its wgmma can overlap the exp2s)
             next_n = tl.minimum(start_n + BLOCK_N, hi - BLOCK_N)
@@ -59,7 +63,7 @@ def _columns(q, K, V, k_desc, v_desc, m_i, l_i, acc, lo, hi, offs_m, offs_n, off
 
 @triton.jit
 def causal_attention(Q, K, V, O, M, N, scale, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                     PREFETCH: tl.constexpr, USE_TMA: tl.constexpr):
+                     PREFETCH: tl.constexpr, USE_TMA: tl.constexpr, WARP_SPECIALIZE: tl.constexpr = False):
     row_tile = tl.num_programs(0) - 1 - tl.program_id(0)
     z = tl.program_id(1).to(tl.int64)
     start_m = row_tile * BLOCK_M
@@ -79,19 +83,19 @@ def causal_attention(Q, K, V, O, M, N, scale, D: tl.constexpr, BLOCK_M: tl.const
     acc = tl.zeros([BLOCK_M, D], tl.float32)
     if start_m > 0:
         m_i, l_i, acc = _columns(q, K, V, k_desc, v_desc, m_i, l_i, acc, 0, start_m, offs_m, offs_n, offs_d, N, D, D,
-                                 scale, False, PREFETCH, USE_TMA, BLOCK_N)
+                                 scale, False, PREFETCH, USE_TMA, BLOCK_N, WARP_SPECIALIZE)
     m_i, l_i, acc = _columns(q, K, V, k_desc, v_desc, m_i, l_i, acc, start_m, start_m + BLOCK_M, offs_m, offs_n, offs_d,
                              N, D, D, scale, True, PREFETCH, USE_TMA, BLOCK_N)
     acc = acc / l_i[:, None]
     tl.store(O + z * M * D + offs_m[:, None] * D + offs_d[None, :], acc.to(O.dtype.element_ty))
 
 
-def run(q, k, v, block_m, block_n, warps, stages, prefetch, tma):
+def run(q, k, v, block_m, block_n, warps, stages, prefetch, tma, ws=False):
     b, h, m, d = q.shape
     out = torch.full_like(q, float("nan"))
     grid = (m // block_m, b * h)
     causal_attention[grid](q, k, v, out, m, m, d ** -0.5 * 1.4426950408889634, D=d, BLOCK_M=block_m, BLOCK_N=block_n,
-                           PREFETCH=prefetch, USE_TMA=tma, num_warps=warps, num_stages=stages)
+                           PREFETCH=prefetch, USE_TMA=tma, WARP_SPECIALIZE=ws, num_warps=warps, num_stages=stages)
     return out
 
 
@@ -122,15 +126,20 @@ def main():
             ms = triton.testing.do_bench(lambda: fn(q, k, v), rep=300)
             print(f"  flashlight: {ms:.4f} ms {flops / ms / 1e9:.0f} TF x{sdpa_ms / ms:.2f} sdpa err {err:.1e}", flush=True)
         configs = [(128, 128, 8, 2), (128, 128, 8, 3), (128, 64, 8, 3), (128, 64, 4, 3)] if d == 128 else [(128, 64, 8, 3), (128, 128, 8, 3), (64, 64, 4, 3)]
-        for (bm, bn, w, st), prefetch, tma in itertools.product(configs, (False, True), (False, True)):
+        # --ws: warp specialization of the unmasked loop (Triton needs on-device TMA descriptors for it on Hopper).
+        variants = [(False, True, ws) for ws in (False, True)] if "--ws" in sys.argv else [
+            (prefetch, tma, False) for prefetch, tma in itertools.product((False, True), (False, True))]
+        if "--ws" in sys.argv:
+            configs = [(128, 128, 4, 2), (128, 128, 4, 3), (128, 128, 8, 2), (128, 128, 8, 3), (128, 64, 4, 3), (128, 64, 8, 3)]
+        for (bm, bn, w, st), (prefetch, tma, ws) in itertools.product(configs, variants):
+            label = f"{bm}x{bn} w{w} s{st} prefetch={int(prefetch)} tma={int(tma)} ws={int(ws)}"
             try:
-                out = run(q, k, v, bm, bn, w, st, prefetch, tma)
+                out = run(q, k, v, bm, bn, w, st, prefetch, tma, ws)
                 err = float((out.float() - ref.float()).norm() / ref.float().norm())
-                ms = triton.testing.do_bench(lambda: run(q, k, v, bm, bn, w, st, prefetch, tma), rep=300)
-                print(f"  {bm}x{bn} w{w} s{st} prefetch={int(prefetch)} tma={int(tma)}: {ms:.4f} ms {flops / ms / 1e9:.0f} TF"
-                      f" x{sdpa_ms / ms:.2f} sdpa err {err:.1e}", flush=True)
+                ms = triton.testing.do_bench(lambda: run(q, k, v, bm, bn, w, st, prefetch, tma, ws), rep=300)
+                print(f"  {label}: {ms:.4f} ms {flops / ms / 1e9:.0f} TF x{sdpa_ms / ms:.2f} sdpa err {err:.1e}", flush=True)
             except Exception as error:  # noqa: BLE001 (a probe: report the config's failure and go on)
-                print(f"  {bm}x{bn} w{w} s{st} prefetch={int(prefetch)} tma={int(tma)}: FAILED {type(error).__name__}: {str(error)[:200]}", flush=True)
+                print(f"  {label}: FAILED {type(error).__name__}: {str(error)[:200]}", flush=True)
 
 
 if __name__ == "__main__":

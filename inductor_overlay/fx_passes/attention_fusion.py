@@ -39,7 +39,8 @@ import dataclasses
 import logging
 import math
 import operator
-from typing import Any, Optional, Union
+import weakref
+from typing import Any, Callable, Optional, Union
 
 import sympy
 import torch
@@ -664,6 +665,30 @@ def _visible_tile_code(formula: Optional[sympy.Boolean], id_mask: Optional[IdMas
     return " & ".join(f"({part})" for part in parts)
 
 
+# The tables built in each graph, by the mask they summarise: the layers of a model compiled whole share their mask.
+_TABLES: "weakref.WeakKeyDictionary[torch.fx.Graph, dict]" = weakref.WeakKeyDictionary()
+
+
+def _shared_table(graph: torch.fx.Graph, key: tuple, build: Callable[[], torch.fx.Node], user: torch.fx.Node) -> torch.fx.Node:
+    """The table of ``key``'s mask for ``user``: one built for an earlier attention of this graph, or a new one
+    inserted before ``user``."""
+    tables = _TABLES.setdefault(graph, {})
+    table = tables.get(key)
+    if table is None or getattr(table, "_erased", False) or not _comes_before(table, user):
+        with graph.inserting_before(user):
+            table = tables[key] = build()
+    return table
+
+
+def _comes_before(node: torch.fx.Node, later: torch.fx.Node) -> bool:
+    current = later.prev
+    while current.op != "root":
+        if current is node:
+            return True
+        current = current.prev
+    return False
+
+
 def _mask_table(graph: torch.fx.Graph, mask: TensorMask) -> torch.fx.Node:
     """Graph nodes reducing a mask tensor ``[*lead, M, N]`` to its cell states ``[*lead, ⌈M/c⌉, ⌈N/c⌉]`` (int8;
     see ``MASK_TABLE_CELL``), once per call; a mask broadcast over the rows (``[*lead, 1, N]``) to one row of
@@ -824,12 +849,16 @@ def fuse(region: AttentionRegion, group_coefficients: Optional[torch.fx.Node] = 
     tensor_masks = matched_tensor_masks(region.chain, region.score_root, len(score_shape)) if summarise_tensors else []
     tensor_mask = tensor_masks[0] if tensor_masks else None
     additive_mask = None
-    if summarise_tensors and tensor_mask is None:
+    if summarise_tensors and tensor_mask is None and id_mask is None and skippable is None:
+        # (A bias that is a position mask, ``x + triu(full(-inf), 1)``, already skips by its formula.)
         additive_mask = matched_additive_mask(region.chain, region.logits, region.score_root)
     mask_table = None
-    if tensor_mask is not None or additive_mask is not None:
-        with graph.inserting_before(region.pv):
-            mask_table = _mask_table(graph, tensor_mask) if tensor_mask else _additive_mask_table(graph, additive_mask)
+    if tensor_mask is not None:
+        key = ("tensor", tensor_mask.term, tensor_mask.negated)
+        mask_table = _shared_table(graph, key, lambda: _mask_table(graph, tensor_mask), region.pv)
+    elif additive_mask is not None:
+        mask_table = _shared_table(graph, ("additive", additive_mask.bias), lambda: _additive_mask_table(graph, additive_mask), region.pv)
+    if mask_table is not None:
         region = dataclasses.replace(region, captured=[*region.captured, mask_table])
     drops_mask_loads = (tensor_mask is not None and tensor_mask.alone) or additive_mask is not None
     droppable = [*mask_nodes, *([id_mask.where] if id_mask is not None and id_mask.alone else [])]
