@@ -53,6 +53,9 @@ class ScoreChain:
     # The logits may come near -FLT_MAX (a finfo.min constant, a float tensor read): the kernel keeps its running
     # max unscaled and scales each row so that it cannot overflow (``RUNNING_MAX_AND_P_WIDE``).
     wide_logits: bool = False
+    # The size of the leading batch dim when every score-sized tensor the chain reads is shared along it (a per-head
+    # bias [H, M, N] under [B, H, M, N] scores): the kernel launches that dim fastest, 0 otherwise.
+    batch_fastest: int = 0
 
 
 SCORE_CHAINS: dict[int, ScoreChain] = {}

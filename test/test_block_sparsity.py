@@ -464,6 +464,7 @@ def test_hf_four_dim_additive_mask_gets_a_table():
         out, code = testing.compile_and_get_code(_hf_eager_attention, q, k, poisoned, mask)
     kernel = next(text for text in testing.triton_kernels(code).values() if "for start_n in range(" in text)
     FileCheck().check("cell_states = ").check("| (table_lo == 2) | (n_lo >= N)").run(kernel)
+    FileCheck().check("BATCH_FASTEST : tl.constexpr = 0").run(kernel)  # the mask differs per batch entry
     assert testing.column_tile_loops(kernel) == 2
     expected = _hf_eager_attention(q.double(), k.double(), v.double(), mask.double())
     testing.assert_close_to_reference(out[0, :, :64], expected[0, :, :64])
@@ -473,12 +474,17 @@ def test_hf_four_dim_additive_mask_gets_a_table():
 
 def test_per_head_bias_gets_no_table():
     """A bias of its own per head (``[H, M, N]``) is read per element, not summarised: a table would cost a full
-    extra read of it for cells that rarely skip. One kernel."""
-    q, k, v = (torch.randn(2, 2, 40, 16) for _ in range(3))
+    extra read of it for cells that rarely skip. One kernel, which launches the batch entries of a head side by side
+    (they share the bias tiles in L2)."""
+    q, k, v = (torch.randn(3, 2, 40, 16) for _ in range(3))
     bias = torch.randn(2, 40, 40)
     with testing.cpu_triton():
         out, code = testing.compile_and_get_code(variants.per_head_bias, q, k, v, bias)
-    assert len(testing.triton_kernels(code)) == 1
+    kernels = testing.triton_kernels(code)
+    assert len(kernels) == 1
+    FileCheck().check("BATCH_FASTEST : tl.constexpr = 3").check("if BATCH_FASTEST > 1:").check(
+        "out_z = (out_z % BATCH_FASTEST) * (tl.num_programs(1) // BATCH_FASTEST) + out_z // BATCH_FASTEST"
+    ).run(next(iter(kernels.values())))
     testing.assert_close_to_reference(out, variants.per_head_bias(q.double(), k.double(), v.double(), bias.double()))
 
 

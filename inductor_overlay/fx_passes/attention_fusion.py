@@ -775,6 +775,20 @@ def _logits_may_near_float_max(region: AttentionRegion) -> bool:
     return any(isinstance(c, float) and 2.0**64 <= abs(c) < math.inf for c in constants)
 
 
+def _batch_fastest(region: AttentionRegion, score_shape: torch.Size) -> int:
+    """The leading batch dim's size when the chain reads score-sized tensors and all of them are shared along it
+    (``ScoreChain.batch_fastest``), else 0."""
+    if len(score_shape) < 3 or not isinstance(score_shape[0], int) or score_shape[0] == 1:
+        return 0
+    shared = []
+    for tensor in region.captured:
+        source = tensor.args[0] if _is(tensor, aten.expand.default) else tensor
+        shape = _val(source).shape if _val(source) is not None else ()
+        if len(shape) >= 2 and tuple(shape[-2:]) == tuple(score_shape[-2:]):
+            shared.append(len(shape) < len(score_shape) or shape[len(shape) - len(score_shape)] == 1)
+    return score_shape[0] if shared and all(shared) else 0
+
+
 def _worth_a_visible_loop(unmasked: torch.fx.GraphModule, region: AttentionRegion, drops_mask_loads: bool) -> bool:
     """A loop of its own for entirely visible tiles pays where the mask is most of the per-element work: on the
     H100 it gave 6–15% at head dim 64 when the rest of the chain is only scaling (causal, prefix-LM, GQA), and lost
@@ -886,6 +900,7 @@ def fuse(region: AttentionRegion, group_coefficients: Optional[torch.fx.Node] = 
                 _chain_value_module(region, ids, list(score_shape)) for ids in (id_mask.rows, id_mask.columns)
             ),
             wide_logits=region.softmax and _logits_may_near_float_max(region),
+            batch_fastest=_batch_fastest(region, score_shape),
             mask_table_module=None if mask_table is None else _chain_value_module(
                 region, mask_table, [*(score_shape[:-2] or [1]), *_table_cells(score_shape, mask_table)]
             ),

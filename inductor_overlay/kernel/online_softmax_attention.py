@@ -63,6 +63,10 @@ ATTENTION_HEAD = r"""
 
     # This program owns rows [start_m, start_m + BLOCK_M) of one (flattened) output batch entry out_z.
     out_z = tl.program_id(1).to(INDEX_DTYPE)
+    if BATCH_FASTEST > 1:
+        # The chain reads a score-sized tensor shared by the batch entries (a per-head bias): launch the entries of
+        # one head side by side, so that they read its tiles from L2 rather than each from memory.
+        out_z = (out_z % BATCH_FASTEST) * (tl.num_programs(1) // BATCH_FASTEST) + out_z // BATCH_FASTEST
     row_tile = tl.program_id(0)
     if LAST_ROWS_FIRST:
         # The GPU starts programs in launch order: under a causal mask the last rows see the most columns, so
@@ -750,6 +754,7 @@ def _lower_attention(q, kt, v, captured, sink, chain_id, group_coefficients=None
             RUNNING_MAX_UNIT=logit_scale if chain.wide_logits else 1.0,
             GROUPS=groups,
             LAST_ROWS_FIRST=overlay_config.last_rows_first,
+            BATCH_FASTEST=chain.batch_fastest,
             SCAN_TILES=64 if overlay_config.vector_tile_scan else 1,
             POSITION_DTYPE="tl.int64" if wide else "tl.int32",
             MASK_CELL=MASK_TABLE_CELL,
