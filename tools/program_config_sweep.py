@@ -55,7 +55,10 @@ def main() -> None:
                     print(f"{program.name} size {index} {text}: process failed (exit {done.returncode})", flush=True)
             else:
                 flashlight.enable()
-                sweep_one(program, index, config)
+                try:
+                    sweep_one(program, index, config)
+                except Exception as err:  # a config that does not compile (shared memory) is a row, not the end
+                    print(f"{program.name} size {index} {config}: failed {type(err).__name__}", flush=True)
 
 
 if __name__ == "__main__":
