@@ -292,11 +292,11 @@ def column_tile_loops(kernel: str) -> int:
     visible get a loop of their own, followed by one loop over the partial tiles on both sides of them (checked)."""
     from torch.testing import FileCheck
 
-    loops = kernel.count("for start_n in range(") + kernel.count("for partial_n in range(")
+    loops = kernel.count("for start_n in range(") + kernel.count("for partial_n in tl.range(")
     assert loops in (1, 2), f"{loops} column-tile loops"
     if loops == 2:
         FileCheck().check("for start_n in range(full_lo, full_hi, BLOCK_N)").check(
-            "for partial_n in range(0, partial_before + (end_n - full_hi), BLOCK_N)"
+            "for partial_n in tl.range(0, partial_before + (end_n - full_hi), BLOCK_N, num_stages=PARTIAL_STAGES)"
         ).run(kernel)
     return loops
 
@@ -304,8 +304,8 @@ def column_tile_loops(kernel: str) -> int:
 def split_loop_chains(kernel: str) -> tuple[str, str]:
     """The user's chain (from the score dot to the logits) in the loop over entirely visible tiles and in the loop
     over the partial tiles of a kernel with both."""
-    visible = kernel.split("for start_n in range(full_lo, full_hi, BLOCK_N)")[1].split("for partial_n in range(")[0]
-    partial = kernel.split("for partial_n in range(")[1]
+    visible = kernel.split("for start_n in range(full_lo, full_hi, BLOCK_N)")[1].split("for partial_n in tl.range(")[0]
+    partial = kernel.split("for partial_n in tl.range(")[1]
     return visible.split("scores = tl.dot")[1].split("logits = tmp")[0], partial.split("scores = tl.dot")[1].split("logits = tmp")[0]
 
 

@@ -74,8 +74,8 @@ tile_autotuning: str = os.environ.get("FLASHLIGHT_TILE_AUTOTUNING", "max-autotun
 
 # Attention that upstream's SDPA pattern matcher recognises: "sdpa" keeps upstream's rewrite to
 # scaled_dot_product_attention, "flashlight" fuses it with the overlay instead, "unmasked_sdpa" keeps the rewrite
-# only where it adds no mask: with an additive mask SDPA runs a kernel that reads it per element and visits every
-# tile, where the overlay's mask table skips padded keys (see benchmarks/results for the measurements).
+# only where it applies no mask: with a mask SDPA runs a kernel that reads it per element and visits every tile,
+# where the overlay skips masked tiles (see benchmarks/results for the measurements).
 sdpa_pattern_policy: str = os.environ.get("FLASHLIGHT_SDPA_PATTERN_POLICY", "unmasked_sdpa")
 
 

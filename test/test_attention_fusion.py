@@ -395,11 +395,14 @@ def test_tile_configs_are_autotuned_only_under_max_autotune_by_default():
     assert kernel.kernel_configs(128, 128, cuda, columns=1024, visible_loop=True)[0]["BLOCK_N"] == 64
     # A mask tensor's kernel reads its mask only on the partial tiles: 128×128, with the stages that fit beside it,
     # at rows of 1024 too; a table over a mask the chain computes: 128×64 over long rows, 64×64 over short ones.
+    # The visible loop keeps the stages that fit without the mask's tiles; the partial tiles' loop gets two.
     for columns in (1024, 2048):
         mask_tensor = kernel.kernel_configs(128, 128, cuda, element_bytes=1, columns=columns, visible_loop=True, mask_table=True)
-        assert mask_tensor[0] == dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=2)
+        assert mask_tensor[0] == dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3, partial_stages=2)
     computed = [kernel.kernel_configs(128, 128, cuda, columns=n, visible_loop=True, mask_table=True)[0] for n in (1024, 2048)]
-    assert computed == [dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3), long_biased[0]]
+    assert computed == [dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3, partial_stages=2),
+                        dict(long_biased[0], partial_stages=2)]
+    assert "partial_stages" not in kernel.kernel_configs(64, 64, cuda, columns=2048, visible_loop=True, mask_table=True)[0]
     assert config.tile_autotuning == "max-autotune"
     assert kernel._autotuned(long_biased) == long_biased[:1]
     with inductor_config.patch(max_autotune=True):

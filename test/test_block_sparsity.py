@@ -207,7 +207,7 @@ def test_document_ids_get_a_run_time_tile_summary(fn, ordering):
     FileCheck().check("row_id_lo = tl.min(row_ids)").check("for scan_n in range(").check("col_ids = ").check(
         "ids_disjoint = (tl.max(col_ids, 1) < row_id_lo) | (tl.min(col_ids, 1) > row_id_hi)"
     ).check("| ids_disjoint | (n_lo >= N)").check_regex(
-        r"for (start_n in range\(first_n, |partial_n in range\(0, partial_before)"
+        r"for (start_n in range\(first_n, |partial_n in tl.range\(0, partial_before)"
     ).run(kernel)
     expected = fn(q.double(), k.double(), v.double(), ids, k_ids)
     assert torch.equal(out.isnan(), expected.isnan())
@@ -307,7 +307,7 @@ def test_mask_tensor_gets_a_graph_level_tile_table(fn, shape):
     FileCheck().check("for scan_n in range(").check("for row_cell in tl.static_range(CELLS_M):").check(
         "cell_states = "
     ).check("| (table_lo == 2) | (n_lo >= N)").check_regex(
-        r"for (start_n in range\(first_n, |partial_n in range\(0, partial_before)"
+        r"for (start_n in range\(first_n, |partial_n in tl.range\(0, partial_before)"
     ).run(kernel)
     cells = -(-100 // block_sparsity.MASK_TABLE_CELL)
     assert max(testing.allocated_buffer_numels(code)) <= max(2 * 2 * 100 * 16, keep.shape[0] * cells * cells)

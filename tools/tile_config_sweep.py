@@ -1,6 +1,7 @@
 """Time the fused kernel with one tile config at a time (GPU), to choose the autotuning space.
 
     PYTHONPATH=. python tools/tile_config_sweep.py causal,alibi 4x32x4096x64 > sweep.txt
+    PYTHONPATH=. python tools/tile_config_sweep.py causal_mask_tensor 8x16x2048x128 128x128x8x3x2,128x128x8x2
 """
 
 import contextlib
@@ -29,9 +30,10 @@ CANDIDATES = {
 def only_config(config: tuple[int, int, int, int]) -> Iterator[None]:
     """Compilations inside may give the fused kernel only ``config`` (BLOCK_M, BLOCK_N, warps, stages), from a fresh
     cache (the config is not part of Inductor's cache key), with no fallback to upstream."""
-    m, n, warps, stages = config
+    m, n, warps, stages, *partial = config
     original = kernel.kernel_configs
-    kernel.kernel_configs = lambda *_, **__: [dict(BLOCK_M=m, BLOCK_N=n, num_warps=warps, num_stages=stages)]
+    chosen = dict(BLOCK_M=m, BLOCK_N=n, num_warps=warps, num_stages=stages, **({"partial_stages": partial[0]} if partial else {}))
+    kernel.kernel_configs = lambda *_, **__: [chosen]
     torch._dynamo.reset()
     try:
         # A config that fails must fail the row, not time upstream's fallback.
@@ -56,16 +58,19 @@ def time_with_config(fn, config: tuple[int, int, int, int], *args, **kwargs) -> 
 def main() -> None:
     flashlight.enable()
     variants, shapes = sys.argv[1].split(","), sys.argv[2].split(",")
+    # Optional third argument: MxNxWARPSxSTAGES[xPARTIAL_STAGES], comma-separated, instead of the candidates.
+    chosen = [tuple(int(x) for x in c.split("x")) for c in sys.argv[3].split(",")] if len(sys.argv) > 3 else None
     for shape_text in shapes:
         shape = parse_shape(shape_text)
         for name in variants:
             variant = VARIANTS[name]
             q, k, v, extras = make_inputs(variant, shape, device="cuda", dtype=torch.bfloat16)
-            for config in CANDIDATES[shape.D]:
+            for config in chosen or CANDIDATES[shape.D]:
                 ms = time_with_config(variant.reference, config, q, k, v, **extras)
-                m, n, warps, stages = config
-                print(f"{name:12} {shape_text:14} BLOCK_M={m:3} BLOCK_N={n:3} warps={warps} stages={stages}  {ms:.4f} ms",
-                      flush=True)
+                m, n, warps, stages, *partial = config
+                partial_text = f" partial_stages={partial[0]}" if partial else ""
+                print(f"{name:12} {shape_text:14} BLOCK_M={m:3} BLOCK_N={n:3} warps={warps} stages={stages}{partial_text}"
+                      f"  {ms:.4f} ms", flush=True)
 
 
 if __name__ == "__main__":

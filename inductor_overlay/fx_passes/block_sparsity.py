@@ -247,7 +247,8 @@ def matched_tensor_masks(chain: list[torch.fx.Node], scores: torch.fx.Node, logi
 
 # An additive bias at least this far below its row's largest bias absorbs the score it is added to: the key's weight
 # exp(x + bias - max) underflows to exactly 0 in float32 whenever the scores ``x`` before the bias spread by less than
-# 2^126 - 104 over the row, which holds for |x| < 2^125 (about 4e37, within 8x of bf16/float32 overflow). It takes
+# 2^126 - 150 over the row, which holds for |x| <= 2^124 (about 2e37, within 16x of bf16/float32 overflow). The row
+# max is at least a kept key's logit, and the key with the row's largest bias is never in a skipped cell. It takes
 # HF's ``finfo.min`` padding mask (bf16 and float32) and -inf; ``finfo(float16).min`` and -1e9 are too small for it.
 ABSORBING_BIAS_GAP = 2.0**126
 
@@ -300,12 +301,13 @@ def matched_additive_mask(chain: list[torch.fx.Node], logits: torch.fx.Node, sco
         isinstance(value, torch.Tensor)
         and value.is_floating_point()
         and value.dim() >= 2
+        and all(isinstance(size, int) for size in (*value.shape, columns))  # static sizes: compared without guards
         and value.shape[-1] == columns
         and value.shape[-2] in (1, rows)
-        and all(isinstance(size, int) for size in value.shape)
     ):
         return None
-    shared_by_heads = len(score_shape) >= 3 and score_shape[-3] != 1 and (value.dim() < 3 or value.shape[-3] == 1)
+    heads = score_shape[-3] if len(score_shape) >= 3 else 1
+    shared_by_heads = isinstance(heads, int) and heads != 1 and (value.dim() < 3 or value.shape[-3] == 1)
     return AdditiveMask(add, bias, scaled) if value.shape[-2] == 1 or shared_by_heads else None
 
 

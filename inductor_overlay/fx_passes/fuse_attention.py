@@ -3,7 +3,8 @@
 Upstream's joint-graph pass (``torch/_inductor/fx_passes/fuse_attention.py``) rewrites the plain forms of
 attention into ``scaled_dot_product_attention`` before our post-grad pass sees them. ``config.sdpa_pattern_policy``
 decides: ``"sdpa"`` keeps upstream's rewrite, ``"flashlight"`` declines it so the overlay fuses the program itself,
-``"unmasked_sdpa"`` declines the patterns that add a mask (an ``add`` among the matched nodes) and keeps the others.
+``"unmasked_sdpa"`` declines the patterns that apply a mask (an ``add`` or a ``where`` among the matched nodes) and
+keeps the others.
 
 Upstream registers some of its patterns with a reference to ``_sfdp_params_check`` taken once per process, when
 the first graph is compiled. The wrapper therefore also answers as upstream whenever the patches are reverted, and
@@ -22,14 +23,18 @@ from inductor_overlay import config
 from inductor_overlay.state import overlay_active
 
 
+# A matched pattern with one of these applies a mask (an additive one, or ``where(causal_mask, x, -inf)``).
+_MASKING = (torch.ops.aten.add.Tensor, torch.ops.aten.where.self)
+
+
 def wrap_sfdp_params_check(upstream_check: Callable[[Any], bool]) -> Callable[[Any], bool]:
     @functools.wraps(upstream_check)
     def _sfdp_params_check(match: Any) -> bool:
         import torch_patches
 
         policy = config.sdpa_pattern_policy
-        adds_a_mask = any(node.target is torch.ops.aten.add.Tensor for node in match.nodes)
-        declines = config.attention_fusion and (policy == "flashlight" or (policy == "unmasked_sdpa" and adds_a_mask))
+        applies_a_mask = any(node.target in _MASKING for node in match.nodes)
+        declines = config.attention_fusion and (policy == "flashlight" or (policy == "unmasked_sdpa" and applies_a_mask))
         if declines and overlay_active() and torch_patches.is_applied():
             return False
         return upstream_check(match)
