@@ -265,7 +265,6 @@ class AdditiveMask:
 
     add: torch.fx.Node
     bias: torch.fx.Node
-    scaled_scores: torch.fx.Node  # the add's other operand
 
 
 _SCALING = (aten.mul.Tensor, aten.div.Tensor, prims.convert_element_type.default)
@@ -286,7 +285,7 @@ def matched_additive_mask(chain: list[torch.fx.Node], logits: torch.fx.Node, sco
     on_path = [arg for arg in sides if depends_on(arg, scores, memo)]
     if len(sides) != 2 or len(on_path) != 1:
         return None
-    scaled, bias = on_path[0], next(arg for arg in sides if arg is not on_path[0])
+    bias = next(arg for arg in sides if arg is not on_path[0])
     for node in chain:
         if node is add or not depends_on(node, scores, memo) or node.op != "call_function":
             continue
@@ -308,7 +307,7 @@ def matched_additive_mask(chain: list[torch.fx.Node], logits: torch.fx.Node, sco
         return None
     heads = score_shape[-3] if len(score_shape) >= 3 else 1
     shared_by_heads = isinstance(heads, int) and heads != 1 and (value.dim() < 3 or value.shape[-3] == 1)
-    return AdditiveMask(add, bias, scaled) if value.shape[-2] == 1 or shared_by_heads else None
+    return AdditiveMask(add, bias) if value.shape[-2] == 1 or shared_by_heads else None
 
 
 # Over the row tile's id range [row_id_lo, row_id_hi] and the column ids of SCAN_TILES tiles ([SCAN_TILES, BLOCK_N]).
