@@ -674,19 +674,10 @@ def _shared_table(graph: torch.fx.Graph, key: tuple, build: Callable[[], torch.f
     inserted before ``user``."""
     tables = _TABLES.setdefault(graph, {})
     table = tables.get(key)
-    if table is None or getattr(table, "_erased", False) or not _comes_before(table, user):
+    if table is None or getattr(table, "_erased", False) or not table < user:  # fx nodes order as in the graph
         with graph.inserting_before(user):
             table = tables[key] = build()
     return table
-
-
-def _comes_before(node: torch.fx.Node, later: torch.fx.Node) -> bool:
-    current = later.prev
-    while current.op != "root":
-        if current is node:
-            return True
-        current = current.prev
-    return False
 
 
 def _mask_table(graph: torch.fx.Graph, mask: TensorMask) -> torch.fx.Node:
@@ -782,7 +773,7 @@ def _batch_fastest(region: AttentionRegion, score_shape: torch.Size) -> int:
         return 0
     shared = []
     for tensor in region.captured:
-        source = tensor.args[0] if _is(tensor, aten.expand.default) else tensor
+        source, _ = _strip(tensor, (aten.expand.default,))
         shape = _val(source).shape if _val(source) is not None else ()
         if len(shape) >= 2 and tuple(shape[-2:]) == tuple(score_shape[-2:]):
             shared.append(len(shape) < len(score_shape) or shape[len(shape) - len(score_shape)] == 1)
