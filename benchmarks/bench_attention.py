@@ -182,16 +182,21 @@ def speedups(impls: dict[str, dict], impl: str, bases: tuple[str, ...]) -> list[
     return cells
 
 
-def start_run(out_dir: pathlib.Path) -> tuple[dict, Callable[[str], None]]:
-    """Create the results folder; return the device/versions/date stamp of every row and a logger that prints
-    and appends to ``log.txt``."""
+def gpu_stamp() -> dict:
+    """The device, versions and date every measurement is recorded with."""
     import triton
 
-    out_dir.mkdir(parents=True, exist_ok=True)
-    stamp = dict(
+    return dict(
         device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
         date=datetime.date.today().isoformat(),
     )
+
+
+def start_run(out_dir: pathlib.Path) -> tuple[dict, Callable[[str], None]]:
+    """Create the results folder; return the device/versions/date stamp of every row and a logger that prints
+    and appends to ``log.txt``."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    stamp = gpu_stamp()
     log_file = (out_dir / "log.txt").open("a")
 
     def log(message: str) -> None:

@@ -15,7 +15,7 @@ import torch
 import triton
 
 import flashlight
-from benchmarks.bench_attention import relative_error
+from benchmarks.bench_attention import gpu_stamp, relative_error
 from benchmarks.programs import PROGRAMS
 from tools.tile_config_sweep import only_config
 
@@ -46,6 +46,7 @@ def main() -> None:
     args = parser.parse_args()
     configs = [tuple(int(x) for x in c.split("x")) for c in args.configs.split(",")] if args.configs else CANDIDATES
     program = PROGRAMS[args.program]
+    print("#", gpu_stamp(), flush=True)
     for index in (int(i) for i in args.sizes.split(",")):
         for config in configs:
             if args.isolated:

@@ -13,7 +13,7 @@ import triton
 from torch._inductor.utils import fresh_cache
 
 import flashlight
-from benchmarks.bench_attention import parse_shape
+from benchmarks.bench_attention import gpu_stamp, parse_shape
 from benchmarks.variants import VARIANTS, make_inputs
 from inductor_overlay import config as overlay_config
 from inductor_overlay.kernel import online_softmax_attention as kernel
@@ -57,6 +57,7 @@ def time_with_config(fn, config: tuple[int, int, int, int], *args, **kwargs) -> 
 
 def main() -> None:
     flashlight.enable()
+    print("#", gpu_stamp(), flush=True)
     variants, shapes = sys.argv[1].split(","), sys.argv[2].split(",")
     # Optional third argument: MxNxWARPSxSTAGES[xPARTIAL_STAGES], comma-separated, instead of the candidates.
     chosen = [tuple(int(x) for x in c.split("x")) for c in sys.argv[3].split(",")] if len(sys.argv) > 3 else None
