@@ -129,6 +129,70 @@ def online_softmax_attention_with_pair_sum_eager(q, kt, v, captured, sink, chain
     return out.view(output_shape(chain, m, dv, 1, output_batch)), pair.reshape(z, m, pair_values.shape[-1])
 
 
+# The table of cell states of an additive mask (``fx_passes/block_sparsity.py``): the attention kernel skips tiles
+# whose cells are all skipped and drops the add on tiles whose cells all keep the scores as they are.
+TABLE_CELL = 32
+CELL_KEEPS, CELL_MIXED, CELL_SKIPPED = 0, 1, 2
+
+
+@dataclasses.dataclass(frozen=True)
+class MaskSummary:
+    """An additive mask ``[*lead, M or 1, N]`` the graph computes, as ``flashlight::mask_cell_states`` summarises
+    it: cells all 0 keep the scores; cells ``absorbing_gap`` or more below their rows' largest bias are skipped."""
+
+    graph_module: torch.fx.GraphModule  # (scores, *captured, *sizes) -> the bias; the scores are not read
+    shape: tuple
+    absorbing_gap: float
+
+
+MASK_SUMMARIES: dict[int, MaskSummary] = {}
+
+
+def register_mask_summary(summary: MaskSummary) -> int:
+    summary_id = next(_next_chain_id)
+    MASK_SUMMARIES[summary_id] = summary
+    return summary_id
+
+
+def cell_shape(shape) -> list:
+    """``[*lead, ⌈M/c⌉, ⌈N/c⌉]`` for a mask ``[*lead, M, N]`` (c = TABLE_CELL)."""
+    return [*shape[:-2], *(-(-size // TABLE_CELL) for size in shape[-2:])]
+
+
+def _all_per_cell(flags: torch.Tensor) -> torch.Tensor:
+    """Whether every flag of each cell holds; elements past M or N hold (the kernel masks them by bounds)."""
+    *lead, rows, columns = flags.shape
+    padded = torch.nn.functional.pad(flags, [0, -columns % TABLE_CELL, 0, -rows % TABLE_CELL], value=True)
+    cells = padded.reshape(*lead, padded.shape[-2] // TABLE_CELL, TABLE_CELL, padded.shape[-1] // TABLE_CELL, TABLE_CELL)
+    return cells.all(-1).all(-2)
+
+
+def mask_cell_states(summary: MaskSummary, bias: torch.Tensor) -> torch.Tensor:
+    """The reference meaning of the table: per cell, CELL_SKIPPED where every element lies ``absorbing_gap`` or
+    more below its row's largest bias, else CELL_KEEPS where every element is 0, else CELL_MIXED (int8). A NaN
+    counts as +inf for the gaps: its cell is never skipped (its row is NaN in eager anyway)."""
+    bias = bias.float()
+    keeps = bias == 0
+    bias = torch.where(bias.isnan(), math.inf, bias)
+    skipped = bias.amax(-1, keepdim=True) - bias >= summary.absorbing_gap
+    states = torch.where(_all_per_cell(keeps), CELL_KEEPS, CELL_MIXED)
+    return torch.where(_all_per_cell(skipped), CELL_SKIPPED, states).to(torch.int8)
+
+
+_library.define("mask_cell_states(Tensor[] captured, int summary_id, SymInt[] sizes=[]) -> Tensor")
+
+
+@torch.library.impl(_library, "mask_cell_states", "CompositeExplicitAutograd")
+def mask_cell_states_eager(captured, summary_id, sizes=()):
+    summary = MASK_SUMMARIES[summary_id]
+    return mask_cell_states(summary, summary.graph_module(None, *captured, *sizes))
+
+
+@torch.library.register_fake("flashlight::mask_cell_states")
+def mask_cell_states_fake(captured, summary_id, sizes=()):
+    return captured[0].new_empty(cell_shape(MASK_SUMMARIES[summary_id].shape), dtype=torch.int8)
+
+
 @torch.library.register_fake("flashlight::online_softmax_attention")
 def online_softmax_attention_fake(q, kt, v, captured, sink, chain_id, group_coefficients=None, output_batch=None, sizes=()):
     groups = 1 if group_coefficients is None else group_coefficients.numel()

@@ -472,6 +472,32 @@ def test_hf_four_dim_additive_mask_gets_a_table():
     testing.assert_close_to_reference(out[1, :, :20], v[1].double().mean(-2, keepdim=True).expand(2, 20, 16))
 
 
+def test_hf_decoder_mask_computed_in_the_graph_gets_the_table_kernel():
+    """HF's decoder mask built inside the compiled graph from a ``[B, N]`` padding vector: the table kernel computes
+    the bias tile by tile from the vector, as the attention kernel does, so no M×N tensor is ever written. Padded
+    keys (poisoned) are skipped; left-padded rows, masked throughout, get the mean of V as in eager."""
+    q, k, v = (torch.randn(2, 2, 100, 16) for _ in range(3))
+    attention_mask = torch.ones(2, 100, dtype=torch.long)
+    attention_mask[0, 60:] = 0
+    attention_mask[1, :20] = 0
+    poisoned = v.clone()
+    poisoned[0, :, 64:] = float("nan")
+    with testing.cpu_triton():
+        out, code = testing.compile_and_get_code(variants.hf_causal_padding_4d, q, k, poisoned, attention_mask)
+    kernels = testing.triton_kernels(code)
+    assert len(kernels) == 2
+    table = next(text for text in kernels.values() if "ROW_CELL_MAX" in text)
+    FileCheck().check("tl.load(in_ptr").check("row_cell_max = tl.max(").check("tl.store(ROW_CELL_MAX").run(table)
+    attention = next(text for text in kernels.values() if "for start_n in range(" in text)
+    FileCheck().check("cell_states = ").check("| (table_lo == 2) | (n_lo >= N)").run(attention)
+    buffers = testing.allocated_buffer_numels(code)
+    buffers.remove(out.numel())
+    assert max(buffers) <= 2 * 4 * 32 * 4 < 100 * 100  # the table's scratch: one value per row and cell
+    expected = variants.hf_causal_padding_4d(q, k, v, attention_mask)  # float32: float64 would make those rows NaN
+    testing.assert_close_to_reference(out, expected)
+    testing.assert_close_to_reference(out[1, :, :20], v[1].double().mean(-2, keepdim=True).expand(2, 20, 16))
+
+
 def test_per_head_bias_gets_no_table():
     """A bias of its own per head (``[H, M, N]``) is read per element, not summarised: a table would cost a full
     extra read of it for cells that rarely skip. One kernel, which launches the batch entries of a head side by side

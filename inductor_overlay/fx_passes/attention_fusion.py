@@ -68,7 +68,7 @@ from inductor_overlay.fx_passes.block_sparsity import (
 from inductor_overlay.fx_passes.block_sparsity import is_op as _is
 from inductor_overlay.fx_passes.logit_scale import fold_constant_scale
 from inductor_overlay.kernel.online_softmax_attention import MAX_HEAD_DIM
-from inductor_overlay.ops import ScoreChain, register_score_chain
+from inductor_overlay.ops import MaskSummary, ScoreChain, register_mask_summary, register_score_chain
 
 # TORCH_LOGS=flashlight shows every fused attention and every declined one with its reason.
 log = logging.getLogger("flashlight.attention_fusion")
@@ -680,7 +680,31 @@ def _shared_table(graph: torch.fx.Graph, key: tuple, build: Callable[[], torch.f
     return table
 
 
-def _mask_table(graph: torch.fx.Graph, mask: TensorMask) -> torch.fx.Node:
+def _mask_table(graph: torch.fx.Graph, region: AttentionRegion, mask: Union[TensorMask, AdditiveMask]) -> torch.fx.Node:
+    """The mask's cell states (``[*lead, ⌈M/c⌉, ⌈N/c⌉]``, int8; c = ``MASK_TABLE_CELL``), once per call. A bias the
+    chain computes from positions and small tensors (HF's causal-and-padding mask from its ``[B, N]`` padding
+    vector) gets the table kernel (``kernel/mask_cell_states.py``), which computes it tile by tile as the attention
+    kernel does; a mask read from memory gets Inductor's reductions, which run at memory speed."""
+    if isinstance(mask, AdditiveMask) and _computed_from_small_tensors(region, mask.bias):
+        shape = tuple(_val(mask.bias).shape)
+        summary = MaskSummary(_chain_value_module(region, mask.bias, list(shape)), shape, ABSORBING_BIAS_GAP)
+        inputs = (list(region.captured), register_mask_summary(summary), list(region.captured_sizes))
+        return call_op(graph, torch.ops.flashlight.mask_cell_states.default, inputs)
+    if isinstance(mask, AdditiveMask):
+        return _additive_mask_table(graph, mask)
+    return _tensor_mask_table(graph, mask)
+
+
+def _computed_from_small_tensors(region: AttentionRegion, value: torch.fx.Node) -> bool:
+    """Whether the chain computes ``value`` and reads no tensor of ``value``'s size for it (the table kernel then
+    reads next to nothing), given a tensor to run on."""
+    if value not in region.chain or not region.captured:
+        return False
+    size = _val(value).numel()
+    return all(_val(tensor).numel() * MASK_TABLE_CELL <= size for tensor in region.captured)
+
+
+def _tensor_mask_table(graph: torch.fx.Graph, mask: TensorMask) -> torch.fx.Node:
     """Graph nodes reducing a mask tensor ``[*lead, M, N]`` to its cell states ``[*lead, ⌈M/c⌉, ⌈N/c⌉]`` (int8;
     see ``MASK_TABLE_CELL``), once per call; a mask broadcast over the rows (``[*lead, 1, N]``) to one row of
     cells, which the kernel reads for every row tile (expanded). Elements past M or N count as masked for "all
@@ -858,11 +882,10 @@ def fuse(region: AttentionRegion, group_coefficients: Optional[torch.fx.Node] = 
         # (A bias that is a position mask, ``x + triu(full(-inf), 1)``, already skips by its formula.)
         additive_mask = matched_additive_mask(region.chain, region.logits, region.score_root)
     mask_table = None
-    if tensor_mask is not None:
-        key = ("tensor", tensor_mask.term, tensor_mask.negated)
-        mask_table = _shared_table(graph, key, lambda: _mask_table(graph, tensor_mask), region.pv)
-    elif additive_mask is not None:
-        mask_table = _shared_table(graph, ("additive", additive_mask.bias), lambda: _additive_mask_table(graph, additive_mask), region.pv)
+    if tensor_mask is not None or additive_mask is not None:
+        mask = tensor_mask or additive_mask
+        key = ("tensor", tensor_mask.term, tensor_mask.negated) if tensor_mask else ("additive", additive_mask.bias)
+        mask_table = _shared_table(graph, key, lambda: _mask_table(graph, region, mask), region.pv)
     if mask_table is not None:
         region = dataclasses.replace(region, captured=[*region.captured, mask_table])
     drops_mask_loads = (tensor_mask is not None and tensor_mask.alone) or additive_mask is not None

@@ -21,6 +21,8 @@ from typing import Optional
 import sympy
 import torch
 
+from inductor_overlay.ops import TABLE_CELL
+
 aten = torch.ops.aten
 prims = torch.ops.prims
 
@@ -201,8 +203,8 @@ def _id_sides(term: object, negated: bool, scores: torch.fx.Node) -> Optional[tu
 
 # A mask passed in as a tensor is summarised per cell of MASK_TABLE_CELL x MASK_TABLE_CELL elements: every kernel
 # tile is a whole number of cells or lies inside one. A cell's state counts what holds of its elements:
-# 0 none masked, 1 some masked, 2 all masked.
-MASK_TABLE_CELL = 32
+# 0 none masked, 1 some masked, 2 all masked (``ops.mask_cell_states``).
+MASK_TABLE_CELL = TABLE_CELL
 
 
 @dataclasses.dataclass(frozen=True)

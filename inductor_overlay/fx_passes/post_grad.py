@@ -20,7 +20,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 from inductor_overlay import __version__, config
 from inductor_overlay.fx_passes.attention_fusion import fuse_attention
 from inductor_overlay.fx_passes.head_combination import distribute_matmul_over_head_combinations
-from inductor_overlay.kernel import online_softmax_attention  # noqa: F401  (registers the fused op's lowering)
+from inductor_overlay.kernel import mask_cell_states, online_softmax_attention  # noqa: F401  (register the ops' lowerings)
 from inductor_overlay.state import overlay_active
 
 GraphPass = Callable[[torch.fx.Graph], None]

@@ -1,0 +1,104 @@
+"""The table kernel of additive masks (``kernel/mask_cell_states.py``) against the op's reference meaning
+(``ops.mask_cell_states``), cell for cell: a bias read from a tensor, and one computed from positions and a padding
+vector, on ragged sizes, with NaN, ±inf and finfo.min in the bias."""
+
+import math
+
+import pytest
+import torch
+from torch._inductor.decomposition import select_decomp_table
+from torch.fx.experimental.proxy_tensor import make_fx
+from torch.testing import FileCheck
+
+from flashlight import testing
+from inductor_overlay import ops
+from inductor_overlay.fx_passes import block_sparsity, post_grad  # noqa: F401  (registers the lowerings)
+
+LOWEST = torch.finfo(torch.float32).min
+
+
+def _summary_of(fn, captured, shape) -> int:
+    """A registered summary whose mask is ``fn(*captured)``, as the fusion pass builds it: (scores, *captured) -> mask."""
+    traced = make_fx(fn, decomposition_table=select_decomp_table())(*captured)
+    graph, env = torch.fx.Graph(), {}
+    graph.placeholder("scores")
+    for node in traced.graph.nodes:
+        if node.op == "placeholder":
+            env[node] = graph.placeholder(node.name)
+        else:
+            env[node] = graph.node_copy(node, lambda arg: env[arg])
+    module = torch.fx.GraphModule(traced, graph)
+    return ops.register_mask_summary(ops.MaskSummary(module, tuple(shape), block_sparsity.ABSORBING_BIAS_GAP))
+
+
+def _kernel_table(summary_id, captured):
+    """The table as the compiled graph computes it, the reference's, and the generated code."""
+
+    def table(*tensors):
+        return torch.ops.flashlight.mask_cell_states(list(tensors), summary_id, [])
+
+    reference = table(*captured)
+    with testing.cpu_triton():
+        out, code = testing.compile_and_get_code(table, *captured)
+    return out, reference, code
+
+
+def _blocky_bias(lead, rows, columns):
+    """Cells of 0, finfo.min and -inf, the first row of cells holding a kept cell then a skipped one; NaN, +inf and
+    other values sprinkled past column 64, and the last row masked throughout (no cell of it is skipped)."""
+    choices = torch.tensor([0.0, LOWEST, -math.inf, 0.0])
+    blocks = choices[torch.randint(0, 4, (*lead, -(-rows // 32), -(-columns // 32)))]
+    blocks[..., 0, :2] = torch.tensor([0.0, LOWEST])
+    bias = blocks.repeat_interleave(32, -2).repeat_interleave(32, -1)[..., :rows, :columns].clone()
+    sprinkled = bias[..., 64:].clone()
+    for value, count in ((float("nan"), 1), (math.inf, 1), (3.5, 2), (-1e30, 2)):
+        sprinkled.view(-1)[torch.randint(0, sprinkled.numel(), (count,))] = value
+    bias[..., 64:] = sprinkled
+    if rows > 32:
+        bias[..., -1, :] = LOWEST
+    return bias
+
+
+@pytest.mark.parametrize("shape", [(2, 1, 70, 300), (3, 1, 1, 100), (1, 96, 160)])
+def test_bias_passed_in_matches_the_reference(shape):
+    """A bias read from a tensor (the fusion pass leaves those to Inductor's reductions, but the kernel takes any
+    bias): every cell as the reference says, ragged row and column cells included; one kernel, whose scratch holds
+    one value per row and cell (no M×N buffer)."""
+    bias = _blocky_bias(shape[:-2], *shape[-2:])
+    summary = _summary_of(lambda b: b * 1, [bias], shape)
+    out, reference, code = _kernel_table(summary, [bias])
+    assert torch.equal(out, reference)
+    assert set(reference.unique().tolist()) == {0, 1, 2}
+    kernels = testing.triton_kernels(code)
+    assert len(kernels) == 1
+    FileCheck().check("for start_col in tl.range(0, COLUMNS, BLOCK_N, num_stages=LOOP_STAGES):").check(
+        "row_cell_max = tl.max(tl.reshape(bias, [ROW_TILE, BLOCK_N // CELL, CELL]), 2)"
+    ).check(
+        "row_max = tl.maximum(row_max, tl.max(row_cell_max, 1))"
+    ).check("tl.debug_barrier()").check("for start_cell in range(0, COLUMN_CELLS, CELL_BLOCK):").check(
+        "absorbing = (row_max[:, None] - row_cell_max >= ABSORBING_GAP)"
+    ).run(next(iter(kernels.values())))
+    rows, columns = shape[-2:]
+    cells = math.prod(shape[:-2]) * -(-rows // 32) * 32 * -(-columns // 32)
+    assert max(testing.allocated_buffer_numels(code)) <= cells < bias.numel() or rows == 1
+
+
+def _hf_bias(attention_mask, rows=200):
+    causal = torch.full((rows, rows), LOWEST, dtype=torch.float32).triu(1)
+    return causal[None, None].masked_fill(attention_mask[:, None, None, :] == 0, LOWEST)
+
+
+def test_computed_bias_is_never_written():
+    """HF's causal-and-padding bias computed from a ``[B, N]`` padding vector (left and right padding, and a batch
+    entry with no key kept): the kernel computes it tile by tile from the vector and matches the reference; the only
+    buffers are the table and its scratch."""
+    attention_mask = torch.ones(3, 200, dtype=torch.long)
+    attention_mask[0, :45] = 0
+    attention_mask[1, 150:] = 0
+    attention_mask[2] = 0
+    summary = _summary_of(lambda mask: _hf_bias(mask), [attention_mask], (3, 1, 200, 200))
+    out, reference, code = _kernel_table(summary, [attention_mask])
+    assert torch.equal(out, reference)
+    assert (reference[2] == ops.CELL_MIXED).all()  # no key kept: nothing skipped, the rows average V
+    assert (reference[1, 0, 0, 1:] == ops.CELL_SKIPPED).all()  # above the diagonal
+    assert max(testing.allocated_buffer_numels(code)) <= 3 * 7 * 32 * 7
