@@ -4,7 +4,7 @@ The attention kernel's pre-pass reads the table to skip tiles and to drop the ad
 bias is the user's own expression (HF's causal-and-padding mask, from a ``[B, N]`` padding vector), lowered by
 Inductor at the ``modification`` site as the attention kernel's score chain is: it is computed tile by tile in
 registers, once, and never written to memory. One program summarises one row of cells (TABLE_CELL rows) over all
-columns. Inductor's own reductions over the same graph (three kernels) took 1.4–1.7 times longer on the H100
+columns. Inductor's own reductions over the same graph (three kernels) took 1.35–1.9 times longer on the H100
 (``benchmarks/results/h100_2026-11-23_mask_cells/``). A mask read from memory keeps them
 (``fx_passes/attention_fusion._mask_table``): they run at memory speed there, and this kernel did not.
 """
