@@ -700,8 +700,10 @@ def _computed_from_small_tensors(region: AttentionRegion, value: torch.fx.Node) 
     reads next to nothing), given a tensor to run on."""
     if value not in region.chain or not region.captured:
         return False
-    size = _val(value).numel()
-    return all(_val(tensor).numel() * MASK_TABLE_CELL <= size for tensor in region.captured)
+    sizes = [_val(tensor).numel() for tensor in region.captured]
+    if not all(isinstance(size, int) for size in sizes):  # a dynamic size: compared, it would add a guard
+        return False
+    return all(size * MASK_TABLE_CELL <= _val(value).numel() for size in sizes)
 
 
 def _tensor_mask_table(graph: torch.fx.Graph, mask: TensorMask) -> torch.fx.Node:
