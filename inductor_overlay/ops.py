@@ -13,6 +13,9 @@ batch flattening row-major to the same Z entries). The chain sees scores shaped 
 ``output_batch`` None it is ``[Z, M, Dv]``, as the matmul's was; given the scores' own batch dims it is the tensor
 the user's graph views the matmul's output as, so that a consumer reading it through that view indexes it exactly
 as the kernel writes it (on the GPU Inductor matches an epilogue to its producer by those indices).
+
+``flashlight::mask_cell_states`` is the table of an additive mask the graph computes (HF's decoder mask), which the
+attention kernel reads to skip tiles: its bias is a kept GraphModule too (:data:`MASK_SUMMARIES`).
 """
 
 from __future__ import annotations

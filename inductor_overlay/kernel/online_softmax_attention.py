@@ -116,7 +116,7 @@ N_LOOP = r"""for start_n in range(START, END, BLOCK_N):
 
         # scores = Q Kᵀ for this tile, never written to memory.
         kt = tl.load(kt_base + offs_d[:, None] * {{stride("KT", -2)}} + offs_n[None, :] * {{stride("KT", -1)}},
-                     mask=(offs_d[:, None] < D) & col_in_bounds, other=0.0)
+                     mask=(offs_d[:, None] < D) & col_in_bounds, other=0.0, eviction_policy=KV_EVICTION)
         if UPCAST_DOT_OPERANDS:
             kt = kt.to(tl.float32)
         scores = tl.dot(q, kt, input_precision=DOT_PRECISION)
@@ -241,7 +241,7 @@ LINEAR_ACCUMULATE = """# acc += P V, with P the chain's output (columns past N w
 LINEAR_FINISH = "# No normaliser: the sum over N is the result."
 
 LOAD_V = """v = tl.load(v_base + offs_n[:, None] * {{stride("V", -2)}} + offs_dv[None, :] * {{stride("V", -1)}},
-                    mask=(offs_n[:, None] < N) & (offs_dv[None, :] < DV), other=0.0)
+                    mask=(offs_n[:, None] < N) & (offs_dv[None, :] < DV), other=0.0, eviction_policy=KV_EVICTION)
         if UPCAST_DOT_OPERANDS:
             p = p.to(PROBABILITY_DTYPE).to(tl.float32)
             v = v.to(tl.float32)
@@ -781,6 +781,9 @@ def _lower_attention(q, kt, v, captured, sink, chain_id, group_coefficients=None
             PROBABILITY_DTYPE=f"tl.{str(chain.probability_dtype).removeprefix('torch.')}",
             # The partial tiles' loop pipelines a score-sized mask's loads too: it may get fewer stages than the rest.
             PARTIAL_STAGES=config.get("partial_stages", config["num_stages"]),
+            # K and V tiles are read again by every row tile of their head; a score-sized tensor the chain streams
+            # through (a per-head bias, a mask) is read once: K and V get to stay in L2.
+            KV_EVICTION="'evict_last'" if element_bytes > 0 else "''",
             **{key: value for key, value in config.items() if key != "partial_stages"},
         )
         if error is not None:
