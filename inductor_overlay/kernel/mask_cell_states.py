@@ -11,6 +11,7 @@ columns. Inductor's own reductions over the same graph (three kernels) took 1.35
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
@@ -93,7 +94,10 @@ MASK_CELLS = r"""
         {{store_output(("idx_z", "idx_r", "idx_c"), "states", "store_mask", indent_width=8, val_shape=("1", "CELL_BLOCK"))}}
 """
 
-mask_cells_template = TritonTemplate(name="flashlight_mask_cells", grid=_grid, source=MASK_CELLS)
+@functools.lru_cache(maxsize=None)
+def mask_cells_template() -> TritonTemplate:
+    """Built on first use, as the attention templates are: nothing is added to import time."""
+    return TritonTemplate(name="flashlight_mask_cells", grid=_grid, source=MASK_CELLS)
 
 
 @register_lowering(torch.ops.flashlight.mask_cell_states.default, type_promotion_kind=None)
@@ -121,7 +125,7 @@ def mask_cell_states_lowering(captured, summary_id, sizes=()):
         buffer.realize()
         buffer.freeze_layout()
     choices: list[Any] = []
-    error = mask_cells_template.maybe_append_choice(
+    error = mask_cells_template().maybe_append_choice(
         choices,
         input_nodes=scratch,
         layout=layout,
