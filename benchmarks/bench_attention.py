@@ -1,4 +1,5 @@
-"""GPU benchmark: each variant of benchmarks/variants.py against eager, default torch.compile, FlexAttention, SDPA.
+"""GPU benchmark: each variant of benchmarks/variants.py against eager, default torch.compile, FlexAttention, SDPA
+(and, for a mask passed in as a tensor, Flex given the formula the mask was built from: `flex_formula`).
 
     python -m benchmarks.bench_attention --variants vanilla,causal --shapes 4x32x4096x64,8x16x2048x128 --out DIR
 
@@ -74,16 +75,19 @@ def compiled(fn: Callable, overlay: bool, **policy: Any) -> Callable:
     return first_call
 
 
-def flex_impl(variant: Variant, shape: Shape, extras: dict) -> Optional[tuple[Callable, float]]:
+def flex_impl(variant: Variant, shape: Shape, extras: dict, formula: bool = False) -> Optional[tuple[Callable, float]]:
+    """Flex with the variant's score_mod and a block mask from its mask_mod (``formula``: from the formula a mask
+    tensor was built with, ``Variant.flex_formula_mask_mod``), built outside the timed call; None where there is none."""
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
-    if variant.flex_score_mod is None and variant.flex_mask_mod is None:
+    mask_mod = variant.flex_formula_mask_mod if formula else variant.flex_mask_mod
+    if formula and mask_mod is None or variant.flex_score_mod is None and mask_mod is None:
         return None
     score_mod = variant.flex_score_mod(extras) if variant.flex_score_mod else None
     block_mask, mask_seconds = None, 0.0
-    if variant.flex_mask_mod is not None:
+    if mask_mod is not None:
         start = time.perf_counter()
-        block_mask = create_block_mask(variant.flex_mask_mod(extras), shape.B, None, shape.M, shape.N, device="cuda")
+        block_mask = create_block_mask(mask_mod(extras), shape.B, None, shape.M, shape.N, device="cuda")
         torch.cuda.synchronize()
         mask_seconds = time.perf_counter() - start
     flex = torch.compile(flex_attention, dynamic=False)
@@ -121,8 +125,8 @@ def bench_one(variant: Variant, shape: Shape, dtype: torch.dtype, impls: list[st
                 run, _ = compiled(fn, overlay=impl != "compile", **policy)(q, k, v, **extras)
                 torch.cuda.synchronize()
                 compile_s = time.perf_counter() - start
-            elif impl == "flex":
-                made = flex_impl(variant, shape, extras)
+            elif impl in ("flex", "flex_formula"):
+                made = flex_impl(variant, shape, extras, formula=impl == "flex_formula")
                 if made is None:
                     continue
                 run, mask_s = made
@@ -160,15 +164,15 @@ def bench_one(variant: Variant, shape: Shape, dtype: torch.dtype, impls: list[st
 
 
 def markdown(rows: list[dict]) -> str:
-    lines = ["| variant | B×H×S×D | impl | ms | TFLOP/s | rel err | compile s | vs compile | vs flex | vs sdpa |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| variant | B×H×S×D | impl | ms | TFLOP/s | rel err | compile s | vs compile | vs flex | vs sdpa | vs flex_formula |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     by_case: dict = {}
     for row in rows:
         by_case.setdefault((row["variant"], row["B"], row["H"], row["M"], row["D"]), {})[row["impl"]] = row
     for (variant, b, h, s, d), impls in by_case.items():
         for impl, row in impls.items():
             lines.append(f"| {variant} | {b}×{h}×{s}×{d} | {impl} | {row['ms']} | {row['tflops']} | {row['rel_err']} | "
-                         f"{row['compile_s']} | " + " | ".join(speedups(impls, impl, ("compile", "flex", "sdpa"))) + " |")
+                         f"{row['compile_s']} | " + " | ".join(speedups(impls, impl, ("compile", "flex", "sdpa", "flex_formula"))) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -212,7 +216,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--variants", default="vanilla,causal,alibi,softcap")
     parser.add_argument("--shapes", default="4x32x4096x64,8x16x2048x128")
-    parser.add_argument("--impls", default="eager,compile,flashlight,flex,sdpa")
+    parser.add_argument("--impls", default="eager,compile,flashlight,flex,flex_formula,sdpa")
     parser.add_argument("--dtype", default="bf16", choices=DTYPES)
     parser.add_argument("--out", default="benchmarks/results/latest")
     args = parser.parse_args()

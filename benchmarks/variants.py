@@ -38,6 +38,9 @@ class Variant:
     extras: Callable[[Shape, torch.device, torch.dtype], dict[str, Any]] = lambda shape, device, dtype: {}
     flex_score_mod: Optional[Callable[[dict], Callable]] = None  # extras -> score_mod
     flex_mask_mod: Optional[Callable[[dict], Callable]] = None  # extras -> mask_mod
+    # A mask passed in as a tensor: the formula it was built from, which the program does not carry. The
+    # `flex_formula` implementation gives Flex that formula instead of the tensor: a stricter baseline.
+    flex_formula_mask_mod: Optional[Callable[[dict], Callable]] = None
     sdpa: Optional[Callable[..., Tensor]] = None
     visible_fraction: Callable[[Shape], float] = lambda shape: 1.0  # share of (m, n) pairs not masked
     # For masks drawn at random (document ids, padding): the share of this draw's pairs not masked, from its extras.
@@ -213,7 +216,8 @@ CAUSAL_MASK_TENSOR = Variant(
     name="causal_mask_tensor",
     idioms={"boolean_passed_in": causal_boolean_mask_passed_in, "additive_passed_in": causal_additive_mask_passed_in},
     extras=_causal_mask_tensors,
-    flex_mask_mod=lambda extras: (lambda b, h, m, n: m >= n),
+    flex_mask_mod=lambda extras: (lambda b, h, m, n: extras["keep"][m, n]),
+    flex_formula_mask_mod=lambda extras: (lambda b, h, m, n: m >= n),
     visible_fraction=CAUSAL.visible_fraction,
 )
 

@@ -382,7 +382,7 @@ def test_pipeline_stages_leave_room_for_score_sized_tensors():
 def test_tile_configs_are_autotuned_only_under_max_autotune_by_default():
     """Outside max-autotune the first config of the pruned list is compiled alone (no benchmarking step), as
     FlexAttention does; which one depends on the case: rows with a score-sized bias get 128-row tiles, 64 columns
-    wide over long rows, 32 over short ones; at head dim 128 a chain whose tiles mostly run the visible loop gets
+    wide over long rows, 32 over short ones (64-row tiles at rows of 256); at head dim 128 a chain whose tiles mostly run the visible loop gets
     128×128 over rows longer than 1024, others 64×64, unless a mask table decides the tiles."""
     from torch._inductor import config as inductor_config
 
@@ -391,7 +391,8 @@ def test_tile_configs_are_autotuned_only_under_max_autotune_by_default():
     cuda = torch.device("cuda")
     long_biased = kernel.kernel_configs(128, 128, cuda, element_bytes=2, columns=2048)
     assert long_biased[0] == dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3)
-    assert kernel.kernel_configs(128, 128, cuda, element_bytes=2, columns=256)[0]["BLOCK_N"] == 32
+    assert kernel.kernel_configs(128, 128, cuda, element_bytes=2, columns=1024)[0] == dict(BLOCK_M=128, BLOCK_N=32, num_warps=4, num_stages=3)
+    assert kernel.kernel_configs(128, 128, cuda, element_bytes=2, columns=256)[0] == dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=3)
     assert kernel.kernel_configs(128, 128, cuda)[0] == dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3)
     wide = dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3)
     assert kernel.kernel_configs(128, 128, cuda, columns=2048, visible_loop=True)[0] == wide

@@ -22,7 +22,7 @@ import sys
 SEQUENCES = [(16, 1024), (8, 2048), (4, 4096), (2, 8192), (1, 16384)]
 HEADS = [16, 32]
 HEAD_DIMS = [64, 128]
-IMPLS = "eager,compile,flashlight,flex,sdpa"
+IMPLS = "eager,compile,flashlight,flex,flex_formula,sdpa"
 
 
 def chunks() -> list[tuple[str, int]]:

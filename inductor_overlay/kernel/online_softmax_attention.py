@@ -528,11 +528,13 @@ def kernel_configs(
         shapes = [(128, 64, 4, 3), (64, 64, 4, 3), (128, 128, 8, 3)]
     elif max(d, dv) <= 128:
         # A score-sized bias or mask read on every tile: over long rows 128×64 (8 warps) won by 9% over the
-        # runner-up at 2×16×8192×128 (h100_2026-11-22_stages_and_scale/sweep_d128.txt); over short ones 128×32
-        # (Evoformer's pair bias, rows 256 long, within 3% of the best in h100_2026-11-22_evoformer_epilogue/sweep.txt).
+        # runner-up at 2×16×8192×128 (h100_2026-11-22_stages_and_scale/sweep_d128.txt); over short ones 32 columns,
+        # with 64 rows at rows of 256 (Evoformer's pair bias: 3–5% less time than 128 rows in two sweeps,
+        # h100_2026-11-22_evoformer_epilogue/sweep.txt and h100_2026-11-23_ncu_and_baselines/evoformer_sweep/).
         # Without one, 64×64 (soft-cap, document ids, ALiBi, and rows up to 1024).
         if element_bytes > 0:
-            shapes = [(128, 64, 8, 3) if columns > 1024 else (128, 32, 4, 3), (64, 64, 4, 3), (128, 128, 8, 3)]
+            short = (64, 32, 4, 3) if columns <= 256 else (128, 32, 4, 3)
+            shapes = [(128, 64, 8, 3) if columns > 1024 else short, (64, 64, 4, 3), (128, 128, 8, 3)]
         else:
             shapes = [(64, 64, 4, 3), (128, 128, 8, 3), (128, 32, 4, 3)]
         # Chains whose tiles mostly run the visible loop (causal-like masks, a mask tensor outside its partial
