@@ -2,6 +2,7 @@
 odd shapes, dtypes, layouts and strides, each compiled and compared with float64 eager.
 
     python -m benchmarks.random_programs --count 10000 --seed 0      # the documented long run (CPU harness)
+    python -m benchmarks.random_programs --count 100 --device cuda   # the same programs compiled for the GPU
 
 Every program is built from a seed, so a mismatch is reproduced by ``--count 1 --seed <seed>``; each mismatch
 ever found becomes a regression test in test/test_random_programs.py.
@@ -144,14 +145,14 @@ def build(p: Program) -> Callable:
             s = s * scale
         if p.upcast:
             s = s.float()
-        rows = torch.arange(p.M)[:, None]
-        cols = torch.arange(p.N)[None, :]
+        rows = torch.arange(p.M, device=q.device)[:, None]
+        cols = torch.arange(p.N, device=q.device)[None, :]
         if p.score_mod == "scale_scores":
             s = s * 1.7
         elif p.score_mod == "softcap":
             s = 5.0 * torch.tanh(s / 5.0)
         elif p.score_mod == "alibi_arange":
-            slopes = torch.pow(2.0, -torch.arange(1, p.H + 1, dtype=torch.float32))
+            slopes = torch.pow(2.0, -torch.arange(1, p.H + 1, dtype=torch.float32, device=q.device))
             s = s + (slopes[:, None, None] * (cols - rows)).to(s.dtype)
         elif p.score_mod == "bias_tensor":
             s = s + bias.to(s.dtype)
@@ -173,7 +174,7 @@ def build(p: Program) -> Callable:
         elif p.mask == "additive_tensor":
             s = s + additive.to(s.dtype)
         elif p.mask == "padding_finfo":
-            padded = (torch.arange(p.N)[None, :] >= lengths[:, None])[:, None, None, :]
+            padded = (torch.arange(p.N, device=q.device)[None, :] >= lengths[:, None])[:, None, None, :]
             s = s.masked_fill(padded, torch.finfo(s.dtype).min)
         elif p.mask == "doc_ids":
             s = s.masked_fill(doc[:, None, :, None] != doc[:, None, None, :], float("-inf"))
@@ -211,17 +212,23 @@ def build(p: Program) -> Callable:
 TOLERANCE = {torch.float32: (1e-4, 1e-5), torch.float16: (3e-2, 3e-2), torch.bfloat16: (8e-2, 8e-2)}
 
 
-def check(p: Program) -> tuple[bool, bool, str]:
-    """Compile and compare with float64 eager: (matches, fused, detail). An overlay fault that fell back to
-    upstream counts as a mismatch too: the program ran, but the overlay broke on it."""
+def check(p: Program, device: str = "cpu") -> tuple[bool, bool, str]:
+    """Compile for ``device`` (the CPU harness, or a GPU) and compare with float64 eager on the CPU: (matches,
+    fused, detail). An overlay fault that fell back to upstream counts as a mismatch too: the program ran, but the
+    overlay broke on it."""
     from flashlight import testing
 
     program = build(p)
     args, extras = make_inputs(p)
     counters = torch._dynamo.utils.counters
     counters.clear()
-    with testing.cpu_triton():
-        out, _ = testing.compile_and_get_code(program, *args, **extras)
+    if device == "cpu":
+        with testing.cpu_triton():
+            out, _ = testing.compile_and_get_code(program, *args, **extras)
+    else:
+        out, _ = testing.compile_and_get_code(
+            program, *(a.to(device) for a in args), **{name: t.to(device) for name, t in extras.items()})
+        out = tuple(t.cpu() for t in out) if isinstance(out, tuple) else out.cpu()
     up = {name: (t.double() if t.is_floating_point() else t) for name, t in extras.items()}
     expected = program(*(a.double() for a in args), **up)
     eager = program(*args, **extras)
@@ -244,6 +251,7 @@ def main() -> int:
     parser.add_argument("--count", type=int, default=300)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--log", default=None, help="append one line per program to this file")
+    parser.add_argument("--device", default="cpu", help="cpu (the CPU harness) or cuda")
     args = parser.parse_args()
     import warnings
 
@@ -255,7 +263,10 @@ def main() -> int:
     mismatches, fused_count, start = [], 0, time.time()
     for seed in range(args.seed, args.seed + args.count):
         program = draw(seed)
-        ok, fused, detail = check(program)
+        try:
+            ok, fused, detail = check(program, args.device)
+        except Exception as error:  # a program that does not compile or run is a mismatch, not the end of the run
+            ok, fused, detail = False, False, f"RAISED {type(error).__name__}: {str(error)[:200]}"
         fused_count += fused
         line = f"{'ok ' if ok else 'MISMATCH'} fused={int(fused)} {program.describe()} {detail}"
         if not ok:
@@ -264,7 +275,7 @@ def main() -> int:
         if log:
             log.write(line + "\n")
             log.flush()
-    summary = (f"{args.count} programs (seeds {args.seed}..{args.seed + args.count - 1}), {len(mismatches)} mismatches, "
+    summary = (f"{args.count} programs on {args.device} (seeds {args.seed}..{args.seed + args.count - 1}), {len(mismatches)} mismatches, "
                f"{fused_count} fused, {time.time() - start:.0f} s")
     print(summary)
     if log:

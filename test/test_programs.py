@@ -106,6 +106,24 @@ def test_diff_attention_with_a_per_head_lambda_combines_outside_the_kernel(in_ke
     assert sorted(testing.allocated_buffer_numels(code)) == [out.numel(), 2 * out.numel()]
 
 
+def diff_attention_one_pair_in_2d(q, k, v, lam):
+    """One head pair of one sequence, the output matmul in 2-D: q, k [2, S, d], v [S, 2d]. On a GPU upstream's
+    joint-graph pass gives a DiffAttn of batch 1 this form (its bmm becomes an mm of the squeezed operands)."""
+    weights = torch.softmax(q @ k.transpose(-1, -2) * q.shape[-1] ** -0.5, dim=-1)
+    return (weights[0] - lam * weights[1]) @ v
+
+
+def test_diff_attention_whose_output_matmul_is_an_mm_combines_in_one_kernel():
+    """The head-combination rewrite starts from mm outputs too (found by the GPU run of the random programs)."""
+    inputs = programs.diff_inputs(B=1, H=2, S=21, D=8)
+    inputs = dict(q=inputs["q"][0], k=inputs["k"][0], v=inputs["v"][0, 0], lam=inputs["lam"])
+    out, code = compile_on_cpu(diff_attention_one_pair_in_2d, inputs, combine_head_groups_in_kernel=True)
+    testing.assert_close_to_reference(out, diff_attention_one_pair_in_2d(**float64(inputs)))
+    assert counters["inductor"]["flashlight_attention_fused"] == 1
+    FileCheck().check("for group in tl.static_range(GROUPS)").check("acc += tl.load(partial_tile").run(fused_kernel(code))
+    assert all(n < 2 * 21 * 21 for n in testing.allocated_buffer_numels(code)), "a buffer as large as the scores exists"
+
+
 def diff_attention_per_column_lambda(q, k, v, lam):
     b, two_h, m, d = q.shape
     weights = torch.softmax(q @ k.transpose(-1, -2) * d**-0.5, dim=-1).view(b, two_h // 2, 2, m, k.shape[-2])

@@ -143,8 +143,8 @@ def _coefficient_vector(build: _Builder, found: _Combination, groups: int) -> to
 
 def distribute_over_heads(pv: torch.fx.Node) -> Optional[Decline]:
     """Rewrite ``combination(W) @ V`` as ``combination(W @ expand(V))`` when the new matmul fuses."""
-    if not _is(pv, aten.bmm.default):
-        return Decline("not a batched matmul")
+    if not _is(pv, (aten.bmm.default, aten.mm.default)):
+        return Decline("not a matmul")
     combined, views = _strip_order_preserving(pv.args[0])
     found = _Combination()
     if not (found.match(combined, tuple(_val(combined).shape)) and len(found.selects) >= 2
@@ -200,7 +200,8 @@ def distribute_matmul_over_head_combinations(graph: torch.fx.Graph) -> None:
     if not config.attention_fusion:
         return
     changed = False
-    for pv in [n for n in graph.nodes if _is(n, aten.bmm.default)]:
+    # mm too: on a GPU, upstream's joint-graph pass turns a bmm of batch 1 into an mm of the squeezed operands.
+    for pv in [n for n in graph.nodes if _is(n, (aten.bmm.default, aten.mm.default))]:
         outcome = distribute_over_heads(pv)
         if outcome is None:
             changed = True
