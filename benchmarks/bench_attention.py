@@ -81,7 +81,7 @@ def flex_impl(variant: Variant, shape: Shape, extras: dict, formula: bool = Fals
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
     mask_mod = variant.flex_formula_mask_mod if formula else variant.flex_mask_mod
-    if formula and mask_mod is None or variant.flex_score_mod is None and mask_mod is None:
+    if (formula and mask_mod is None) or (variant.flex_score_mod is None and mask_mod is None):
         return None
     score_mod = variant.flex_score_mod(extras) if variant.flex_score_mod else None
     block_mask, mask_seconds = None, 0.0

@@ -382,8 +382,9 @@ def test_pipeline_stages_leave_room_for_score_sized_tensors():
 def test_tile_configs_are_autotuned_only_under_max_autotune_by_default():
     """Outside max-autotune the first config of the pruned list is compiled alone (no benchmarking step), as
     FlexAttention does; which one depends on the case: rows with a score-sized bias get 128-row tiles, 64 columns
-    wide over long rows, 32 over short ones (64-row tiles at rows of 256); at head dim 128 a chain whose tiles mostly run the visible loop gets
-    128×128 over rows longer than 1024, others 64×64, unless a mask table decides the tiles."""
+    wide over long rows, 32 over short ones (64-row tiles at rows of 256); at head dim 128 a chain whose tiles
+    mostly run the visible loop gets 128×128 over rows longer than 1024, others 64×64, unless a mask table decides
+    the tiles."""
     from torch._inductor import config as inductor_config
 
     from inductor_overlay.kernel import online_softmax_attention as kernel

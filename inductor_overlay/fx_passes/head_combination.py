@@ -23,6 +23,7 @@ from torch.fx.node import map_arg
 
 from inductor_overlay import config
 from inductor_overlay.fx_passes.attention_fusion import (
+    _MATMULS,
     call_op,
     Decline,
     _batch_source,
@@ -143,7 +144,7 @@ def _coefficient_vector(build: _Builder, found: _Combination, groups: int) -> to
 
 def distribute_over_heads(pv: torch.fx.Node) -> Optional[Decline]:
     """Rewrite ``combination(W) @ V`` as ``combination(W @ expand(V))`` when the new matmul fuses."""
-    if not _is(pv, (aten.bmm.default, aten.mm.default)):
+    if not _is(pv, _MATMULS):
         return Decline("not a matmul")
     combined, views = _strip_order_preserving(pv.args[0])
     found = _Combination()
@@ -201,7 +202,7 @@ def distribute_matmul_over_head_combinations(graph: torch.fx.Graph) -> None:
         return
     changed = False
     # mm too: on a GPU, upstream's joint-graph pass turns a bmm of batch 1 into an mm of the squeezed operands.
-    for pv in [n for n in graph.nodes if _is(n, (aten.bmm.default, aten.mm.default))]:
+    for pv in [n for n in graph.nodes if _is(n, _MATMULS)]:
         outcome = distribute_over_heads(pv)
         if outcome is None:
             changed = True
