@@ -66,6 +66,7 @@ from inductor_overlay.fx_passes.block_sparsity import (
     position_masks,
 )
 from inductor_overlay.fx_passes.block_sparsity import is_op as _is
+from inductor_overlay.fx_passes.causal_sdpa import causal_sdpa_scale, replace_by_causal_sdpa
 from inductor_overlay.fx_passes.logit_scale import fold_constant_scale
 from inductor_overlay.kernel.online_softmax_attention import MAX_HEAD_DIM
 from inductor_overlay.ops import MaskSummary, ScoreChain, register_mask_summary, register_score_chain
@@ -985,8 +986,14 @@ def fuse_attention(graph: torch.fx.Graph) -> None:
                 counters["inductor"]["flashlight_attention_declined"] += 1
                 log.info("attention not fused at %s: %s", pv.name, outcome.reason)
             continue
-        fuse(outcome)
         changed = True
+        sdpa_scale = causal_sdpa_scale(outcome)
+        if sdpa_scale is not None:
+            replace_by_causal_sdpa(outcome, sdpa_scale)
+            counters["inductor"]["flashlight_attention_as_sdpa"] += 1
+            log.info("causal attention at %s runs as SDPA (is_causal=True, scale %g)", pv.name, sdpa_scale)
+            continue
+        fuse(outcome)
         counters["inductor"]["flashlight_attention_fused"] += 1
         log.info(
             "attention fused at %s: scores %s, %d chain ops moved into the kernel, %d tensors read by it",

@@ -1,0 +1,121 @@
+"""Plain causal attention goes to SDPA's kernel under the SDPA policies; everything else stays fused (CPU harness).
+
+On the CPU the route is off by default (``config.causal_sdpa_devices`` is ("cuda",)); these tests turn it on for
+the CPU, where SDPA runs its CPU flash kernel, and compare with float64 eager.
+"""
+
+import pytest
+import sympy
+import torch
+from torch.testing import FileCheck
+
+from benchmarks import variants
+from flashlight import testing
+from inductor_overlay import config
+from inductor_overlay.fx_passes.block_sparsity import COL, ROW
+from inductor_overlay.fx_passes.causal_sdpa import masks_above_diagonal
+
+counters = torch._dynamo.utils.counters
+
+
+def compile_with_route(fn, *args, policy="unmasked_sdpa"):
+    with testing.cpu_triton(), config.patch(sdpa_pattern_policy=policy, causal_sdpa_devices=("cpu",)):
+        return testing.compile_and_get_code(fn, *args)
+
+
+def reference(fn, *args):
+    return fn(*(a.double() for a in args))
+
+
+def bf16(*shape):
+    return torch.randn(*shape, dtype=torch.bfloat16)
+
+
+def causal_from_heads_last(x, wq, wk, wv):
+    """A layer's view of attention: [B, S, H·D] projected, split into heads, attended, heads joined again."""
+    batch, length, width = x.shape
+    heads = width // 16
+
+    def split(t):
+        return t.view(batch, length, heads, 16).transpose(1, 2)
+
+    q, k, v = split(x @ wq), split(x @ wk), split(x @ wv)
+    scores = (q @ k.transpose(-1, -2)) / 4.0
+    upper = torch.triu(torch.ones(length, length, dtype=torch.bool, device=x.device), diagonal=1)
+    out = torch.softmax(scores.masked_fill(upper, float("-inf")), dim=-1) @ v
+    return out.transpose(1, 2).reshape(batch, length, width)
+
+
+def causal_softcapped(q, k, v):
+    scores = 30 * torch.tanh(q @ k.transpose(-1, -2) / 30)
+    keep = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool).tril()
+    return torch.softmax(scores.masked_fill(~keep, float("-inf")), dim=-1) @ v
+
+
+def diagonal_masked_too(q, k, v):
+    """``n >= m`` masked: row 0 keeps nothing and is NaN in eager; not SDPA's is_causal."""
+    keep = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool).tril(-1)
+    return torch.softmax((q @ k.transpose(-1, -2)).masked_fill(~keep, float("-inf")), dim=-1) @ v
+
+
+@pytest.mark.parametrize(
+    "formula, causal",
+    [
+        (sympy.Gt(COL, ROW), True),
+        (sympy.Lt(ROW, COL), True),
+        (sympy.Ge(COL, ROW + 1), True),
+        (sympy.Le(ROW + 1, COL), True),
+        (sympy.Gt(COL - ROW, 0), True),
+        (sympy.Ge(COL, ROW), False),
+        (sympy.Gt(COL, ROW + 1), False),
+        (sympy.Gt(ROW, COL), False),
+        (sympy.Gt(2 * COL, 2 * ROW), False),
+        (sympy.Or(sympy.Gt(COL, ROW), sympy.Gt(ROW - COL, 64)), False),
+        (None, False),
+    ],
+)
+def test_masks_above_diagonal_recognises_exactly_n_greater_than_m(formula, causal):
+    assert masks_above_diagonal(formula) is causal
+
+
+@pytest.mark.parametrize("idiom", ["masked_fill", "heads_last_layer"])
+def test_plain_causal_attention_runs_as_sdpa(idiom):
+    if idiom == "masked_fill":
+        fn, args = variants.causal_masked_fill, [bf16(2, 3, 40, 16) for _ in range(3)]
+    else:
+        fn, args = causal_from_heads_last, [bf16(2, 40, 32), *(bf16(32, 32) / 4 for _ in range(3))]
+    out, code = compile_with_route(fn, *args)
+    text = "\n".join(code)
+    FileCheck().check("aten._scaled_dot_product_flash_attention_for_cpu").check("True, scale=0.25").run(text)
+    assert counters["inductor"]["flashlight_attention_as_sdpa"] == 1
+    assert counters["inductor"]["flashlight_attention_fused"] == 0
+    assert not [k for k, kernel in testing.triton_kernels(code).items() if "tl.dot" in kernel]
+    assert out.shape == fn(*args).shape
+    testing.assert_close_to_reference(out, reference(fn, *args))
+
+
+@pytest.mark.parametrize(
+    "case", ["policy_flashlight", "float32", "sliding_window", "softcapped", "diagonal_masked_too", "rectangular"]
+)
+def test_attention_sdpa_does_not_compute_exactly_stays_fused(case):
+    fn, shapes, dtype, policy = variants.causal_masked_fill, [(1, 2, 24, 16)] * 3, torch.bfloat16, "unmasked_sdpa"
+    if case == "policy_flashlight":
+        policy = "flashlight"
+    elif case == "float32":
+        dtype = torch.float32
+    elif case == "sliding_window":
+        fn = variants.sliding_window_masked_fill
+    elif case == "softcapped":
+        fn = causal_softcapped
+    elif case == "diagonal_masked_too":
+        fn = diagonal_masked_too
+    else:  # 24 queries, 40 keys: the top-left mask, but SDPA's is_causal is only taken for square scores
+        shapes = [(1, 2, 24, 16), (1, 2, 40, 16), (1, 2, 40, 16)]
+    args = [torch.randn(*shape, dtype=dtype) for shape in shapes]
+    out, code = compile_with_route(fn, *args, policy=policy)
+    FileCheck().check_not("scaled_dot_product").run("\n".join(code))
+    assert counters["inductor"]["flashlight_attention_as_sdpa"] == 0
+    assert counters["inductor"]["flashlight_attention_fused"] == 1
+    testing.assert_close_to_reference(out, reference(fn, *args))
+    if case == "diagonal_masked_too":
+        assert out[..., 0, :].isnan().all() and not out[..., 1:, :].isnan().any()
