@@ -48,6 +48,7 @@ class Program:
     diff_heads: bool = False  # DiffAttn: heads in pairs, weights w0 - λ·w1 meet every other V head
     points: int = 0  # IPA: minus a squared distance between P query and key points (3-d) joins the logits
     pair_channels: int = 0  # IPA: a second output, the probabilities reduced against a [B, M, N, C] pair tensor
+    finite_fill: bool = False  # position masks fill with finfo.min (GPT-2's idiom) instead of -inf
 
     @property
     def kv_heads(self) -> int:
@@ -57,7 +58,7 @@ class Program:
         return (f"seed={self.seed} {self.layout} B{self.B} H{self.H}/{self.kv_heads} M{self.M} N{self.N} "
                 f"D{self.D} Dv{self.Dv} {str(self.dtype)[6:]} mod={self.score_mod} mask={self.mask} "
                 f"upcast={self.upcast} scale_on={self.scale_on} norm={self.normalisation} diff={int(self.diff_heads)} "
-                f"points={self.points} pair={self.pair_channels}")
+                f"points={self.points} pair={self.pair_channels} finite_fill={int(self.finite_fill)}")
 
 
 def draw(seed: int) -> Program:
@@ -90,6 +91,8 @@ def draw(seed: int) -> Program:
     program.points = rng.choice([0, 0, 0, 2, 5])
     if program.normalisation in ("softmax", "sinks", "sinks_shifted") and not program.diff_heads and program.layout != "3d":
         program.pair_channels = rng.choice([0, 0, 0, 4, 9])
+    # (Since the twelfth session: it changes the fill, not the rest, of some earlier seeds' position masks.)
+    program.finite_fill = program.mask in ("causal", "window", "prefix") and rng.random() < 0.4
     return program
 
 
@@ -163,12 +166,13 @@ def build(p: Program) -> Callable:
         if p.points:
             distance = ((q_points.unsqueeze(-3) - k_points.unsqueeze(-4)) ** 2).sum(dim=(-1, -2))
             s = s - (0.05 * distance).to(s.dtype)
+        position_fill = torch.finfo(s.dtype).min if p.finite_fill else float("-inf")
         if p.mask == "causal":
-            s = s.masked_fill(cols > rows, float("-inf"))
+            s = s.masked_fill(cols > rows, position_fill)
         elif p.mask == "window":
-            s = s.masked_fill((cols > rows) | (rows - cols >= 7), float("-inf"))
+            s = s.masked_fill((cols > rows) | (rows - cols >= 7), position_fill)
         elif p.mask == "prefix":
-            s = torch.where((cols <= rows) | (cols < 5), s, float("-inf"))
+            s = torch.where((cols <= rows) | (cols < 5), s, position_fill)
         elif p.mask == "bool_tensor":
             s = s.masked_fill(~keep, float("-inf"))
         elif p.mask == "additive_tensor":

@@ -96,13 +96,67 @@ def test_position_masks_skip_tiles_and_stay_exact(fn, skip_test):
     testing.assert_close_to_reference(out, expected)
 
 
-def test_finite_fill_is_not_skipped():
-    """finfo.min rows that are fully masked average V in eager; skipping them would give NaN instead."""
-    q, k, v = (torch.randn(1, 2, 40, 16) for _ in range(3))
+def _where_fill(rows_first_kept: int, fill: float, after: float = 1.0, softcap: bool = False):
+    """Attention whose mask fills with a finite constant (GPT-2's ``where(causal, w, finfo.min)``): row m keeps the
+    keys n <= m - rows_first_kept, so its first ``rows_first_kept`` rows keep none when that is positive."""
+
+    def attention(q, k, v):
+        rows = torch.arange(q.shape[-2])[:, None]
+        cols = torch.arange(k.shape[-2])[None, :]
+        scores = torch.where(cols <= rows - rows_first_kept, q @ k.transpose(-1, -2) * 0.25, fill) * after
+        scores = 5.0 * torch.tanh(scores / 5.0) if softcap else scores
+        return torch.softmax(scores, dim=-1) @ v
+
+    return attention
+
+
+@pytest.mark.parametrize("fn", [variants.causal_arange_where, _where_fill(0, torch.finfo(torch.float32).min, after=0.5)])
+def test_finite_fill_where_every_row_keeps_a_key_is_skipped_like_minus_inf(fn):
+    """Every row keeps a key, so the fill (finfo.min, still at most -2^124 after the scale) adds exactly 0 to every
+    row's sums: its tiles are skipped and the visible ones run without the mask, as for -inf."""
+    q, k, v = (torch.randn(1, 2, 70, 16) for _ in range(3))
     with testing.cpu_triton():
-        out, code = testing.compile_and_get_code(variants.causal_arange_where, q, k, v)
+        out, code = testing.compile_and_get_code(fn, q, k, v)
+    FileCheck().check("for scan_n").check("masked = (((n_lo + (-1 * m_hi)) > 0))").check("visible = ").run(code[0])
+    assert testing.column_tile_loops(code[0]) == 2
+    expected = fn(q.double(), k.double(), v.double())
+    assert not expected.isnan().any()
+    testing.assert_close_to_reference(out, expected)
+
+
+@pytest.mark.parametrize(
+    "case, fn",
+    [
+        ("rows that keep no key", _where_fill(20, torch.finfo(torch.float32).min)),
+        ("a fill scaled above -2^124", _where_fill(0, torch.finfo(torch.float32).min, after=1e-30)),
+        ("fill -1e4", _where_fill(0, -1e4)),
+        ("a soft-cap after the fill", _where_fill(0, torch.finfo(torch.float32).min, softcap=True)),
+    ],
+)
+def test_finite_fill_is_not_skipped_where_it_may_not_absorb(case, fn):
+    """Rows that keep no key average V in eager (all their logits equal the fill), and a fill that is not far
+    enough below the kept logits (or that a soft-cap maps to -5) weighs in the softmax: no tile may be skipped."""
+    q, k, v = (torch.randn(1, 2, 70, 16) for _ in range(3))
+    with testing.cpu_triton():
+        out, code = testing.compile_and_get_code(fn, q, k, v)
     FileCheck().check_not("for scan_n").check("for start_n in range(first_n, end_n, BLOCK_N)").run(code[0])
-    testing.assert_close_to_reference(out, variants.causal_arange_where(q.double(), k.double(), v.double()))
+    expected = fn(q.double(), k.double(), v.double())
+    assert not expected.isnan().any()
+    testing.assert_close_to_reference(out, expected)
+
+
+@pytest.mark.parametrize(
+    "formula, rows, columns, keeps",
+    [
+        (sympy.Gt(n, m), 64, 64, True),  # key 0
+        (sympy.Or(sympy.Gt(n, m), sympy.Ge(m - n, 7)), 64, 64, True),  # the diagonal
+        (sympy.Gt(n, m - 3), 64, 64, False),  # rows 0-2 keep nothing
+        (sympy.Lt(n, m), 8, 8, True),  # anti-causal: key N - 1
+        (sympy.Ne(n, 5), 4, 8, False),  # only key 5 is kept: not among the witnesses
+    ],
+)
+def test_every_row_keeps_a_key_checks_each_row(formula, rows, columns, keeps):
+    assert block_sparsity._every_row_keeps_a_key(formula, rows, columns) is keeps
 
 
 def test_flag_off_visits_every_tile():

@@ -78,10 +78,11 @@ def test_masks_above_diagonal_recognises_exactly_n_greater_than_m(formula, causa
     assert masks_above_diagonal(formula) is causal
 
 
-@pytest.mark.parametrize("idiom", ["masked_fill", "heads_last_layer"])
+@pytest.mark.parametrize("idiom", ["masked_fill", "finfo_min_where", "heads_last_layer"])
 def test_plain_causal_attention_runs_as_sdpa(idiom):
-    if idiom == "masked_fill":
-        fn, args = variants.causal_masked_fill, [bf16(2, 3, 40, 16) for _ in range(3)]
+    if idiom in ("masked_fill", "finfo_min_where"):
+        fn = variants.causal_masked_fill if idiom == "masked_fill" else variants.causal_arange_where
+        args = [bf16(2, 3, 40, 16) for _ in range(3)]
     else:
         fn, args = causal_from_heads_last, [bf16(2, 40, 32), *(bf16(32, 32) / 4 for _ in range(3))]
     out, code = compile_with_route(fn, *args)

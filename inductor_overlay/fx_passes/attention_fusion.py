@@ -56,10 +56,11 @@ from inductor_overlay.fx_passes.block_sparsity import (
     AdditiveMask,
     IdMask,
     TensorMask,
+    absorbing_fill_masks,
     depends_on,
+    fill_is_true_branch,
     fully_masked_tile_code,
     fully_visible_tile_code,
-    is_minus_inf,
     matched_additive_mask,
     matched_id_masks,
     matched_tensor_masks,
@@ -632,7 +633,7 @@ def _score_chain_module(region: AttentionRegion, unmasked: frozenset = frozenset
             continue
         if node in unmasked:
             condition, if_true, if_false = node.args
-            kept = if_false if is_minus_inf(if_true) else if_true
+            kept = if_false if fill_is_true_branch(node) else if_true
             env[node] = env[kept] if isinstance(kept, torch.fx.Node) else graph.call_function(
                 aten.full_like.default, (env[region.score_root], kept)
             )
@@ -875,7 +876,8 @@ def fuse(region: AttentionRegion, group_coefficients: Optional[torch.fx.Node] = 
     consecutive heads; see ``ops.py``) and return the node that now stands for ``region.pv``."""
     graph = region.pv.graph
     score_shape = _val(region.score_root).shape
-    formula, mask_nodes, skippable = position_masks(region.chain, len(score_shape)) if region.softmax else (None, [], None)
+    fills = absorbing_fill_masks(region.chain, region.score_root, region.logits, region.logit_scale) if region.softmax else frozenset()
+    formula, mask_nodes, skippable = position_masks(region.chain, len(score_shape), fills) if region.softmax else (None, [], None)
     id_mask = _summarised_id_mask(region) if region.softmax and config.block_skipping else None
     summarise_tensors = region.softmax and config.block_skipping and config.mask_tensor_tables
     tensor_masks = matched_tensor_masks(region.chain, region.score_root, len(score_shape)) if summarise_tensors else []

@@ -5,8 +5,9 @@ positions m and n (causal, sliding window, prefix-LM, block-causal ...). This mo
 sympy formula over the symbols ``m`` and ``n`` and, from it, into Triton code that decides — by interval arithmetic
 over a tile's row range ``[m_lo, m_hi]`` and column range ``[n_lo, n_hi]`` — whether ``cond`` holds for every
 element of the tile. Such a tile contributes exp(-inf) = 0 to every sum: the kernel can skip it exactly. A fully
-masked row then gets 0/0 = NaN, exactly as eager does. Fills other than -inf (``finfo.min``, -1e10) are not
-skippable: eager gives a fully masked row the mean of V there, so those masks stay per-element only.
+masked row then gets 0/0 = NaN, exactly as eager does. A finite fill (GPT-2's ``finfo.min``) counts as -inf only
+where it provably absorbs (``absorbing_fill_masks``): every row keeps a key and the fill lies far enough below; eager
+gives a row that keeps no key the mean of V, so other finite fills (-1e4) stay per-element only.
 
 Anything the analysis does not understand (tensor loads, scores, unknown ops) makes the mask "unknown", and the
 kernel simply visits every tile.
@@ -100,27 +101,42 @@ def _axes(chain: list[torch.fx.Node], logits_rank: int) -> dict:
     return axis_of
 
 
-def is_minus_inf(node: object) -> bool:
+def constant_value(node: object) -> Optional[float]:
+    """The value of a number, or of a constant tensor the graph builds (``full``, ``scalar_tensor``); else None."""
+    if isinstance(node, bool):
+        return None
     if isinstance(node, (int, float)):
-        return node == -math.inf
-    return (
-        isinstance(node, torch.fx.Node)
-        and node.op == "call_function"
-        and node.target in (aten.full.default, aten.scalar_tensor.default)
-        and (node.args[1] if node.target is aten.full.default else node.args[0]) == -math.inf
-    )
+        return float(node)
+    if is_op(node, aten.full.default) and isinstance(node.args[1], (int, float)) and not isinstance(node.args[1], bool):
+        return float(node.args[1])
+    if is_op(node, aten.scalar_tensor.default) and isinstance(node.args[0], (int, float)):
+        return float(node.args[0])
+    return None
 
 
-def masked_terms(where: torch.fx.Node) -> Optional[list[tuple[object, bool]]]:
+def is_minus_inf(node: object) -> bool:
+    return constant_value(node) == -math.inf
+
+
+def fill_is_true_branch(where: torch.fx.Node) -> bool:
+    """Which branch of ``where(cond, a, b)`` is the mask's fill: -inf, or else a constant beside a computed value."""
+    condition, if_true, if_false = where.args
+    if is_minus_inf(if_true) or is_minus_inf(if_false):
+        return is_minus_inf(if_true)
+    return constant_value(if_true) is not None and constant_value(if_false) is None
+
+
+def masked_terms(where: torch.fx.Node, fills: frozenset = frozenset()) -> Optional[list[tuple[object, bool]]]:
     """For ``where(cond, -inf, x)`` (or ``where(cond, x, -inf)``), terms whose OR is exactly where the logit is set
-    to -inf, each as (node, negated): ``~(a & b)`` gives [(a, True), (b, True)]. None for any other node."""
+    to -inf, each as (node, negated): ``~(a & b)`` gives [(a, True), (b, True)]. The ``where`` nodes in ``fills``
+    count as well with their finite constant fill (``absorbing_fill_masks``). None for any other node."""
     if where.op != "call_function" or where.target is not aten.where.self:
         return None
     condition, if_true, if_false = where.args
-    if is_minus_inf(if_true):
-        return _or_terms(condition, False)
-    if is_minus_inf(if_false):
-        return _or_terms(condition, True)
+    true_fill = fill_is_true_branch(where)
+    fill = if_true if true_fill else if_false
+    if is_minus_inf(fill) or (where in fills and constant_value(fill) is not None):
+        return _or_terms(condition, not true_fill)
     return None
 
 
@@ -134,16 +150,17 @@ def _or_terms(node: object, negated: bool) -> list[tuple[object, bool]]:
 
 
 def position_masks(
-    chain: list[torch.fx.Node], logits_rank: int
+    chain: list[torch.fx.Node], logits_rank: int, fills: frozenset = frozenset()
 ) -> tuple[Optional[sympy.Boolean], list[torch.fx.Node], Optional[sympy.Boolean]]:
     """Formulas over (m, n) of where the chain sets the logit to -inf by position, and the ``where`` nodes that
     do it. The first formula covers the masks whose every term is a position term: only those may be dropped from
     entirely visible tiles (the nodes). The third also has the position terms of masks that combine positions with
-    terms no formula bounds (``doc[m] == doc[n] & n <= m``): it implies -inf, enough to skip a tile."""
+    terms no formula bounds (``doc[m] == doc[n] & n <= m``): it implies -inf, enough to skip a tile. The ``where``
+    nodes in ``fills`` count as -inf masks (``absorbing_fill_masks``)."""
     axis_of = _axes(chain, logits_rank)
     complete, nodes, skippable = [], [], []
     for node in chain:
-        terms = masked_terms(node)
+        terms = masked_terms(node, fills)
         known = _known_terms(terms or [], axis_of)
         skippable += known
         if terms and len(known) == len(terms):
@@ -163,6 +180,76 @@ def _known_terms(terms: list[tuple[object, bool]], axis_of: dict) -> list[sympy.
         if formula.free_symbols <= {ROW, COL} and isinstance(formula, sympy.logic.boolalg.Boolean):
             known.append(sympy.Not(formula) if negated else formula)
     return known
+
+
+# A position mask may fill with a finite constant instead of -inf (GPT-2's ``where(causal, w, finfo.min)``). Once
+# scaled as the softmax sees it, a fill at most ABSORBING_FILL lies 2^123 or more below any kept logit above -2^123,
+# so exp(fill - row max) is exactly 0 in float32 wherever the row keeps a key: the fill's tiles add exactly 0 to every
+# sum, as -inf's do. A row that keeps no key would average V in eager, so every row must provably keep one.
+ABSORBING_FILL = -(2.0**124)
+
+
+def absorbing_fill_masks(
+    chain: list[torch.fx.Node], scores: torch.fx.Node, logits: torch.fx.Node, logit_scale: float
+) -> frozenset:
+    """The ``where`` nodes of the chain whose finite fill may count as -inf: when the chain is only position masks
+    (each filling with -inf or a constant), dtype conversions and positive constant factors, every finite fill
+    reaches the softmax at most ABSORBING_FILL, and some key ``n*`` (0, the row's own position, N - 1) is kept for
+    every row, checked row by row."""
+    rows, columns = scores.meta["val"].shape[-2:]
+    if not (isinstance(rows, int) and isinstance(columns, int)):
+        return frozenset()
+    axis_of = _axes(chain, len(scores.meta["val"].shape))
+    memo: dict = {}
+    on_path = [node for node in chain if depends_on(node, scores, memo)]
+    step, source, finite, formulas = {}, {}, [], []
+    for node in on_path:
+        inputs = [arg for arg in node.all_input_nodes if arg is scores or arg in step]
+        if len(inputs) != 1 or node.op != "call_function":
+            return frozenset()
+        source[node] = inputs[0]
+        terms = masked_terms(node, frozenset([node]))
+        if terms is not None:
+            known = _known_terms(terms, axis_of)
+            if len(known) != len(terms) or depends_on(node.args[0], scores, memo):
+                return frozenset()
+            formulas.append(sympy.Or(*known))
+            fill = constant_value(node.args[1] if fill_is_true_branch(node) else node.args[2])
+            step[node] = 1.0
+            if fill != -math.inf:
+                finite.append((node, fill))
+        elif node.target is prims.convert_element_type.default and node.args[1].is_floating_point:
+            step[node] = 1.0
+        elif node.target in (aten.mul.Tensor, aten.div.Tensor) and node.args[0] is inputs[0] and _positive(node.args[1]):
+            step[node] = node.args[1] if node.target is aten.mul.Tensor else 1.0 / node.args[1]
+        else:
+            return frozenset()
+    if not finite or logits not in step:
+        return frozenset()
+    after = {logits: logit_scale}  # the factor each on-path value is multiplied by before the softmax
+    for node in reversed(on_path):
+        if node not in after or source[node] in after:
+            return frozenset()  # off the path to the logits, or a value used twice on it
+        after[source[node]] = after[node] * step[node]
+    if any(fill * after[node] > ABSORBING_FILL for node, fill in finite):
+        return frozenset()
+    return frozenset(node for node, _ in finite) if _every_row_keeps_a_key(sympy.Or(*formulas), rows, columns) else frozenset()
+
+
+def _positive(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value < math.inf
+
+
+def _every_row_keeps_a_key(masked: sympy.Boolean, rows: int, columns: int) -> bool:
+    """Whether, for every row m, one of the keys 0, min(m, N - 1) or N - 1 is not masked."""
+    import numpy as np
+
+    evaluate = sympy.lambdify((ROW, COL), masked, modules="numpy")
+    m = np.arange(rows)
+    kept = np.zeros(rows, dtype=bool)
+    for n in (np.zeros_like(m), np.minimum(m, columns - 1), np.full_like(m, columns - 1)):
+        kept |= ~np.broadcast_to(np.asarray(evaluate(m, n), dtype=bool), m.shape)
+    return bool(kept.all())
 
 
 @dataclasses.dataclass(frozen=True)

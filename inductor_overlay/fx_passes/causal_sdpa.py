@@ -1,13 +1,13 @@
 """Give plain causal attention to SDPA's kernel, where that kernel is faster than ours.
 
-A region whose score chain only scales the scores by constants and sets ``n > m`` to -inf (the top-left causal
-mask, over a square score matrix) computes exactly ``scaled_dot_product_attention(q, k, v, is_causal=True,
-scale=s)``. On the H100 (bf16) SDPA's fused causal kernel took 10–29% less time than the overlay's
-(benchmarks/results/h100_2026-11-23_additive_masks/final_grid_bias/), so under the SDPA policies that keep
-upstream's rewrites (``config.sdpa_pattern_policy`` "sdpa" and "unmasked_sdpa") such a region goes to SDPA, as
-upstream already sends it the unmasked forms. Any other mask, bias, transform, grouped K/V or dtype stays with the
-overlay's kernel. ``scaled_dot_product_attention`` is traced under the graph's fake mode, so the backend (cuDNN,
-FlashAttention, ...) is the one eager would pick for these inputs.
+A region whose score chain only scales the scores by constants and masks ``n > m`` (the top-left causal mask over a
+square score matrix, with -inf or a fill that absorbs as -inf does: GPT-2's ``finfo.min``) computes exactly
+``scaled_dot_product_attention(q, k, v, is_causal=True, scale=s)``. On the H100 (bf16) SDPA's fused causal kernel
+took 10–29% less time than the overlay's (benchmarks/results/h100_2026-11-23_additive_masks/final_grid_bias/), so
+under the SDPA policies that keep upstream's rewrites (``config.sdpa_pattern_policy`` "sdpa" and "unmasked_sdpa")
+such a region may go to SDPA (``config.causal_sdpa_devices``), as upstream already sends it the unmasked forms. Any
+other mask, bias, transform, grouped K/V or dtype stays with the overlay's kernel. ``scaled_dot_product_attention``
+is traced under the graph's fake mode, so the backend (cuDNN, FlashAttention, ...) is the one eager would pick.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import torch
 from torch._inductor.pattern_matcher import fwd_only
 
 from inductor_overlay import config
-from inductor_overlay.fx_passes.block_sparsity import COL, ROW, position_masks
+from inductor_overlay.fx_passes.block_sparsity import COL, ROW, absorbing_fill_masks, position_masks
 from inductor_overlay.fx_passes.logit_scale import fold_constant_scale
 
 if TYPE_CHECKING:
@@ -94,7 +94,8 @@ def causal_sdpa_scale(region: "AttentionRegion") -> Optional[float]:
         and all(0 not in value.stride() for value in values)
     ):
         return None
-    formula, mask_nodes, _ = position_masks(region.chain, len(region.score_root.meta["val"].shape))
+    fills = absorbing_fill_masks(region.chain, region.score_root, region.logits, region.logit_scale)
+    formula, mask_nodes, _ = position_masks(region.chain, len(region.score_root.meta["val"].shape), fills)
     if not masks_above_diagonal(formula):
         return None
     scale_only = _score_chain_module(region, frozenset(mask_nodes))
