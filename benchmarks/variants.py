@@ -125,6 +125,27 @@ CAUSAL = Variant(
 )
 
 
+# ---------------------------------------------------------------- GPT-2's causal attention
+def gpt2_causal_where(q, k, v):
+    """GPT-2's eager attention as HF writes it: scores divided by a 0-d tensor √d, then ``where(causal, w,
+    finfo(dtype).min)`` (a finite fill, not -inf), softmax cast to V's dtype."""
+    w = torch.matmul(q, k.transpose(-1, -2))
+    w = w / torch.full([], v.size(-1) ** 0.5, dtype=w.dtype, device=w.device)
+    rows, columns = q.size(-2), k.size(-2)
+    causal = torch.tril(torch.ones((rows, columns), dtype=torch.bool, device=q.device)).view(1, 1, rows, columns)
+    w = torch.where(causal, w, torch.full([], torch.finfo(w.dtype).min, dtype=w.dtype, device=w.device))
+    return torch.matmul(torch.nn.functional.softmax(w, dim=-1).type(v.dtype), v)
+
+
+GPT2_CAUSAL = Variant(
+    name="gpt2_causal",
+    idioms={"where_finfo_min": gpt2_causal_where},
+    flex_mask_mod=lambda extras: (lambda b, h, m, n: m >= n),
+    sdpa=lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True),
+    visible_fraction=lambda shape: (shape.M + 1) / (2 * shape.M),
+)
+
+
 # ---------------------------------------------------------------- ALiBi
 def _alibi_slopes(shape: Shape, device, dtype):
     exponents = torch.arange(1, shape.H + 1, device=device, dtype=torch.float32)
@@ -468,7 +489,7 @@ HF_DECODER_MASK = Variant(
 VARIANTS: dict[str, Variant] = {
     v.name: v
     for v in (
-        VANILLA, CAUSAL, CAUSAL_MASK_TENSOR, ALIBI, ALIBI_ARANGE, SOFTCAP_VARIANT, SLIDING_WINDOW, PREFIX_LM, DOCUMENT,
+        VANILLA, CAUSAL, GPT2_CAUSAL, CAUSAL_MASK_TENSOR, ALIBI, ALIBI_ARANGE, SOFTCAP_VARIANT, SLIDING_WINDOW, PREFIX_LM, DOCUMENT,
         KEY_PADDING, HF_DECODER_MASK, HEAD_BIAS, T5_BIAS, GEMMA2, GQA, GQA_CAUSAL, MQA, CROSS,
     )
 }

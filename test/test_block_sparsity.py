@@ -110,7 +110,10 @@ def _where_fill(rows_first_kept: int, fill: float, after: float = 1.0, softcap: 
     return attention
 
 
-@pytest.mark.parametrize("fn", [variants.causal_arange_where, _where_fill(0, torch.finfo(torch.float32).min, after=0.5)])
+@pytest.mark.parametrize(
+    "fn",
+    [variants.causal_arange_where, variants.gpt2_causal_where, _where_fill(0, torch.finfo(torch.float32).min, after=0.5)],
+)
 def test_finite_fill_where_every_row_keeps_a_key_is_skipped_like_minus_inf(fn):
     """Every row keeps a key, so the fill (finfo.min, still at most -2^124 after the scale) adds exactly 0 to every
     row's sums: its tiles are skipped and the visible ones run without the mask, as for -inf."""

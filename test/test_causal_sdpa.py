@@ -78,11 +78,14 @@ def test_masks_above_diagonal_recognises_exactly_n_greater_than_m(formula, causa
     assert masks_above_diagonal(formula) is causal
 
 
-@pytest.mark.parametrize("idiom", ["masked_fill", "finfo_min_where", "heads_last_layer"])
+IDIOMS = {"masked_fill": variants.causal_masked_fill, "finfo_min_where": variants.causal_arange_where,
+          "gpt2": variants.gpt2_causal_where}
+
+
+@pytest.mark.parametrize("idiom", [*IDIOMS, "heads_last_layer"])
 def test_plain_causal_attention_runs_as_sdpa(idiom):
-    if idiom in ("masked_fill", "finfo_min_where"):
-        fn = variants.causal_masked_fill if idiom == "masked_fill" else variants.causal_arange_where
-        args = [bf16(2, 3, 40, 16) for _ in range(3)]
+    if idiom in IDIOMS:
+        fn, args = IDIOMS[idiom], [bf16(2, 3, 40, 16) for _ in range(3)]
     else:
         fn, args = causal_from_heads_last, [bf16(2, 40, 32), *(bf16(32, 32) / 4 for _ in range(3))]
     out, code = compile_with_route(fn, *args)

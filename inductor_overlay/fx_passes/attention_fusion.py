@@ -817,10 +817,8 @@ def _worth_a_visible_loop(unmasked: torch.fx.GraphModule, region: AttentionRegio
     unpacked around the QK wait), the visible one ~550. A mask read per element from a tensor is worth it at any
     head dim: at 128 its loads, in a loop with run-time bounds, spill registers (255 used, ~500 bytes of spills in
     the loop) where the loop without them needs ~200."""
-    scaling_only = all(
-        node.op != "call_function" or node.target in (aten.mul.Tensor, aten.div.Tensor, prims.convert_element_type.default)
-        for node in unmasked.graph.nodes
-    )
+    scaling = (aten.mul.Tensor, aten.div.Tensor, prims.convert_element_type.default, aten.full.default)
+    scaling_only = all(node.op != "call_function" or node.target in scaling for node in unmasked.graph.nodes)
     head_dim = _val(region.q.node).shape[-1 if not region.q.transposed else -2]
     return scaling_only and (drops_mask_loads or head_dim <= config.visible_loop_max_head_dim)
 

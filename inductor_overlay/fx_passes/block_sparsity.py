@@ -114,6 +114,15 @@ def constant_value(node: object) -> Optional[float]:
     return None
 
 
+def positive_scalar(node: object) -> Optional[float]:
+    """The value of a positive finite number, or of a constant tensor of one element holding one (GPT-2 divides its
+    scores by ``full([], √d)``); else None."""
+    if is_op(node, aten.full.default) and math.prod(node.args[0]) != 1:
+        return None
+    value = constant_value(node)
+    return value if value is not None and 0.0 < value < math.inf else None
+
+
 def is_minus_inf(node: object) -> bool:
     return constant_value(node) == -math.inf
 
@@ -220,8 +229,9 @@ def absorbing_fill_masks(
                 finite.append((node, fill))
         elif node.target is prims.convert_element_type.default and node.args[1].is_floating_point:
             step[node] = 1.0
-        elif node.target in (aten.mul.Tensor, aten.div.Tensor) and node.args[0] is inputs[0] and _positive(node.args[1]):
-            step[node] = node.args[1] if node.target is aten.mul.Tensor else 1.0 / node.args[1]
+        elif node.target in (aten.mul.Tensor, aten.div.Tensor) and node.args[0] is inputs[0] and positive_scalar(node.args[1]):
+            factor = positive_scalar(node.args[1])
+            step[node] = factor if node.target is aten.mul.Tensor else 1.0 / factor
         else:
             return frozenset()
     if not finite or logits not in step:
@@ -234,10 +244,6 @@ def absorbing_fill_masks(
     if any(fill * after[node] > ABSORBING_FILL for node, fill in finite):
         return frozenset()
     return frozenset(node for node, _ in finite) if _every_row_keeps_a_key(sympy.Or(*formulas), rows, columns) else frozenset()
-
-
-def _positive(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value < math.inf
 
 
 def _every_row_keeps_a_key(masked: sympy.Boolean, rows: int, columns: int) -> bool:

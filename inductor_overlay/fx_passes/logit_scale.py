@@ -8,21 +8,14 @@ a subtraction. The row max commutes with a positive factor exactly (rounding is 
 
 from __future__ import annotations
 
-import numbers
 from typing import Optional
 
 import torch
 
-from inductor_overlay.fx_passes.block_sparsity import is_minus_inf
+from inductor_overlay.fx_passes.block_sparsity import is_minus_inf, positive_scalar
 
 aten = torch.ops.aten
 prims = torch.ops.prims
-
-
-def _positive_constant(value: object) -> Optional[float]:
-    if isinstance(value, numbers.Real) and not isinstance(value, bool) and 0.0 < float(value) < float("inf"):
-        return float(value)
-    return None
 
 
 def _scale_step(node: torch.fx.Node, scaled: dict) -> Optional[tuple[torch.fx.Node, float]]:
@@ -32,7 +25,7 @@ def _scale_step(node: torch.fx.Node, scaled: dict) -> Optional[tuple[torch.fx.No
     first, second = node.args
     if node.target is aten.mul.Tensor and first not in scaled:
         first, second = second, first
-    factor = _positive_constant(second)
+    factor = positive_scalar(second)
     if first not in scaled or factor is None:
         return None
     return first, factor if node.target is aten.mul.Tensor else 1.0 / factor
