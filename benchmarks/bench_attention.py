@@ -35,6 +35,7 @@ FLASHLIGHT_POLICIES: dict[str, dict[str, Any]] = {
     "flashlight_visible_loop_d64": {"visible_loop_max_head_dim": 64},
     "flashlight_autotuned": {"tile_autotuning": "always"},
     "flashlight_sdpa_kept": {"sdpa_pattern_policy": "sdpa"},
+    "flashlight_causal_sdpa": {"causal_sdpa_devices": ("cuda",)},
 }
 COLUMNS = "variant,impl,B,H,M,N,D,dtype,ms,tflops,rel_err,compile_s,device,torch,triton,date".split(",")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -145,10 +146,11 @@ def bench_one(variant: Variant, shape: Shape, dtype: torch.dtype, impls: list[st
             err = relative_error(out, ref) if ref is not None else float("nan")
             ms = triton.testing.do_bench(lambda: run(q, k, v, **extras), warmup=50, rep=200, return_mode="median")
             fused = counters["inductor"]["flashlight_attention_fused"]
+            as_sdpa = counters["inductor"]["flashlight_attention_as_sdpa"]
             fell_back = counters["inductor"]["flashlight_fault_fallback"]
         except Exception as err_:  # a failing implementation is a row with no time, not a dead run
             log(f"  {impl}: FAILED {type(err_).__name__}: {str(err_)[:300]}")
-            ms, err, fused, fell_back = float("nan"), float("nan"), 0, 0
+            ms, err, fused, as_sdpa, fell_back = float("nan"), float("nan"), 0, 0, 0
         row = dict(
             variant=variant.name, impl=impl, B=shape.B, H=shape.H, M=shape.M, N=shape.N, D=shape.D,
             dtype=str(dtype).removeprefix("torch."), ms=round(ms, 4),
@@ -156,7 +158,8 @@ def bench_one(variant: Variant, shape: Shape, dtype: torch.dtype, impls: list[st
             rel_err=f"{err:.2e}", compile_s=round(compile_s, 2), **stamp,
         )
         rows.append(row)
-        note = f" fused={fused}" + (f" FALLBACK={fell_back}" if fell_back else "") if impl.startswith("flashlight") else ""
+        note = f" fused={fused}" + (f" as_sdpa={as_sdpa}" if as_sdpa else "") + (f" FALLBACK={fell_back}" if fell_back else "")
+        note = note if impl.startswith("flashlight") else ""
         log(f"  {impl:20} {row['ms']:>9} ms {row['tflops']:>7} TFLOP/s err {row['rel_err']} compile {compile_s:.1f}s{note}")
     del q, k, v, ref
     torch.cuda.empty_cache()

@@ -67,16 +67,27 @@ def evoformer_flops(B, N_seq, S, H, D, **_):
 
 
 # ---------------------------------------------------------------- invariant point attention (AlphaFold2), its attention core
-def ipa_attention(q, k, v, q_pts, k_pts, pair_bias, head_weights, z):
-    """IPA-style logits and outputs. q, k, v: [B, H, S, C]; q_pts, k_pts: [B, H, S, P, 3], points in the global
-    frame; pair_bias: [B, H, S, S] (projected from z); head_weights: [H] (softplus(γ)); z: [B, S, S, Cz].
-    Returns A·V and Σ_j a_ij z_ij ([B, H, S, Cz])."""
+def _ipa_weights(q, k, q_pts, k_pts, pair_bias, head_weights):
     c, points = q.shape[-1], q_pts.shape[-2]
     distance = ((q_pts.unsqueeze(-3) - k_pts.unsqueeze(-4)) ** 2).sum(dim=(-1, -2))
     point_weight = head_weights.view(1, -1, 1, 1) * (2.0 / (9 * points)) ** 0.5 / 2
     logits = (q @ k.transpose(-1, -2) * c**-0.5 + pair_bias - point_weight * distance) * 3**-0.5
-    weights = torch.softmax(logits, dim=-1)
+    return torch.softmax(logits, dim=-1)
+
+
+def ipa_attention(q, k, v, q_pts, k_pts, pair_bias, head_weights, z):
+    """IPA-style logits and outputs. q, k, v: [B, H, S, C]; q_pts, k_pts: [B, H, S, P, 3], points in the global
+    frame; pair_bias: [B, H, S, S] (projected from z); head_weights: [H] (softplus(γ)); z: [B, S, S, Cz].
+    Returns A·V and Σ_j a_ij z_ij ([B, H, S, Cz])."""
+    weights = _ipa_weights(q, k, q_pts, k_pts, pair_bias, head_weights)
     return weights @ v, (weights.unsqueeze(-1) * z.unsqueeze(1)).sum(-2)
+
+
+def ipa_attention_openfold(q, k, v, q_pts, k_pts, pair_bias, head_weights, z):
+    """The same, with the pair output written as OpenFold does: a matmul of the transposed probabilities,
+    ``[B, S, H, Cz]``."""
+    weights = _ipa_weights(q, k, q_pts, k_pts, pair_bias, head_weights)
+    return weights @ v, torch.matmul(weights.transpose(-2, -3), z.to(dtype=weights.dtype))
 
 
 def ipa_inputs(B=1, H=4, S=24, C=16, P=4, Cz=16, device="cpu", dtype=torch.float32, generator=None):
@@ -202,6 +213,10 @@ PROGRAMS = {
                 cpu_size=dict(B=1, H=3, S=21, C=16, P=4, Cz=8),
                 # The second has more pair channels than pair_reduction_max_channels: upstream's path.
                 gpu_sizes=(dict(B=1, H=12, S=768, C=16, P=4, Cz=32), dict(B=1, H=12, S=256, C=16, P=4, Cz=128))),
+        # As above; the pair matmul becomes that sum (fx_passes/pair_matmul.py), and a pointwise kernel writes it
+        # in OpenFold's [B, S, H, Cz] order.
+        Program("ipa_attention_openfold", ipa_attention_openfold, ipa_inputs, ipa_flops, kernels=2, dots=2,
+                cpu_size=dict(B=1, H=3, S=21, C=16, P=4, Cz=8), gpu_sizes=(dict(B=1, H=12, S=768, C=16, P=4, Cz=32),)),
         Program("attention_sinks", attention_sinks, sinks_inputs, causal_flops, kernels=1, dots=2,
                 cpu_size=dict(B=2, H=4, S=37, D=16),
                 gpu_sizes=(dict(B=4, H=32, S=4096, D=64), dict(B=8, H=16, S=2048, D=128))),

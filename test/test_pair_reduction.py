@@ -141,3 +141,27 @@ def test_more_pair_channels_than_the_limit_are_declined():
     inputs = programs.ipa_inputs(B=1, H=2, S=17, C=8, P=2, Cz=config.pair_reduction_max_channels + 1)
     check_against_eager(programs.ipa_attention, inputs)
     assert counters["inductor"]["flashlight_attention_fused"] == 0
+
+
+def test_openfold_pair_matmul_is_accumulated_in_the_kernel():
+    """OpenFold's ``matmul(a.transpose(-2, -3), z)`` becomes the kernel's pair accumulator: no extern matmul, no
+    buffer of the scores' size, and the [B, S, H, Cz] result in OpenFold's order."""
+    inputs = programs.ipa_inputs(B=2, H=3, S=21, C=16, P=4, Cz=8)
+    (out, pair), code = check_against_eager(programs.ipa_attention_openfold, inputs)
+    testing.check_kernels(code, kernels=2, extern_calls=0)
+    kernel = next(text for text in testing.triton_kernels(code).values() if "for start_n in range(" in text)
+    FileCheck().check("pair_acc = pair_acc * alpha[:, None] + tl.sum(p[:, :, None] * y").check(
+        "tl.store(PAIR_OUT"
+    ).run(kernel)
+    assert all(n < score_numel(inputs) for n in testing.allocated_buffer_numels(code))
+    assert pair.shape == (2, 21, 3, 8)
+    assert counters["inductor"]["flashlight_attention_fused"] == 1
+
+
+def test_openfold_pair_matmul_is_left_as_it_was_when_the_attention_cannot_take_it():
+    """Above pair_reduction_max_channels the attention declines the pair sum: the rewrite is undone, and upstream
+    runs the three matmuls as written."""
+    inputs = programs.ipa_inputs(B=1, H=2, S=17, C=8, P=2, Cz=config.pair_reduction_max_channels + 1)
+    _, code = check_against_eager(programs.ipa_attention_openfold, inputs)
+    FileCheck().check_count("extern_kernels.bmm(", 3, exactly=True).run("\n".join(code))
+    assert counters["inductor"]["flashlight_attention_fused"] == 0
