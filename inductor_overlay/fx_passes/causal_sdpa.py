@@ -3,7 +3,7 @@
 A region whose score chain only scales the scores by constants and masks ``n > m`` (the top-left causal mask over a
 square score matrix, with -inf or a fill that absorbs as -inf does: GPT-2's ``finfo.min``) computes exactly
 ``scaled_dot_product_attention(q, k, v, is_causal=True, scale=s)``. On the H100 (bf16) SDPA's fused causal kernel
-took 10–29% less time than the overlay's (benchmarks/results/h100_2026-11-23_additive_masks/final_grid_bias/), so
+took 10–23% less time than the overlay's (benchmarks/results/h100_2026-11-23_additive_masks/final_grid_bias/), so
 under the SDPA policies that keep upstream's rewrites (``config.sdpa_pattern_policy`` "sdpa" and "unmasked_sdpa")
 such a region may go to SDPA (``config.causal_sdpa_devices``), as upstream already sends it the unmasked forms. Any
 other mask, bias, transform, grouped K/V or dtype stays with the overlay's kernel. ``scaled_dot_product_attention``
