@@ -874,8 +874,10 @@ def fuse(region: AttentionRegion, group_coefficients: Optional[torch.fx.Node] = 
     consecutive heads; see ``ops.py``) and return the node that now stands for ``region.pv``."""
     graph = region.pv.graph
     score_shape = _val(region.score_root).shape
-    fills = absorbing_fill_masks(region.chain, region.score_root, region.logits, region.logit_scale) if region.softmax else frozenset()
-    formula, mask_nodes, skippable = position_masks(region.chain, len(score_shape), fills) if region.softmax else (None, [], None)
+    formula, mask_nodes, skippable = None, [], None
+    if region.softmax:
+        fills = absorbing_fill_masks(region.chain, region.score_root, region.logits, region.logit_scale)
+        formula, mask_nodes, skippable = position_masks(region.chain, len(score_shape), fills)
     id_mask = _summarised_id_mask(region) if region.softmax and config.block_skipping else None
     summarise_tensors = region.softmax and config.block_skipping and config.mask_tensor_tables
     tensor_masks = matched_tensor_masks(region.chain, region.score_root, len(score_shape)) if summarise_tensors else []

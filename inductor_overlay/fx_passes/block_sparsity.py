@@ -229,7 +229,7 @@ def absorbing_fill_masks(
                 finite.append((node, fill))
         elif node.target is prims.convert_element_type.default and node.args[1].is_floating_point:
             step[node] = 1.0
-        elif node.target in (aten.mul.Tensor, aten.div.Tensor) and node.args[0] is inputs[0] and positive_scalar(node.args[1]):
+        elif _is_constant_scaling(node, inputs[0]):
             factor = positive_scalar(node.args[1])
             step[node] = factor if node.target is aten.mul.Tensor else 1.0 / factor
         else:
@@ -243,7 +243,15 @@ def absorbing_fill_masks(
         after[source[node]] = after[node] * step[node]
     if any(fill * after[node] > ABSORBING_FILL for node, fill in finite):
         return frozenset()
-    return frozenset(node for node, _ in finite) if _every_row_keeps_a_key(sympy.Or(*formulas), rows, columns) else frozenset()
+    if not _every_row_keeps_a_key(sympy.Or(*formulas), rows, columns):
+        return frozenset()
+    return frozenset(node for node, _ in finite)
+
+
+def _is_constant_scaling(node: torch.fx.Node, value: torch.fx.Node) -> bool:
+    """``value * c`` or ``value / c`` with a positive constant c."""
+    scaling = node.target in (aten.mul.Tensor, aten.div.Tensor) and node.args[0] is value
+    return scaling and positive_scalar(node.args[1]) is not None
 
 
 def _every_row_keeps_a_key(masked: sympy.Boolean, rows: int, columns: int) -> bool:

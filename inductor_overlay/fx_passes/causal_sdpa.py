@@ -52,8 +52,9 @@ def masks_above_diagonal(formula: Optional[sympy.Boolean]) -> bool:
 
 
 def _only_dtype_conversions(module: torch.fx.GraphModule) -> bool:
+    conversion = prims.convert_element_type.default
     return all(
-        node.op != "call_function" or (node.target is prims.convert_element_type.default and node.args[1].is_floating_point)
+        node.op != "call_function" or (node.target is conversion and node.args[1].is_floating_point)
         for node in module.graph.nodes
     )
 
@@ -82,7 +83,8 @@ def causal_sdpa_scale(region: "AttentionRegion") -> Optional[float]:
     dtypes = {value.dtype for value in values} | {region.probability_dtype}
     if len(dtypes) != 1 or dtypes - {torch.float16, torch.bfloat16}:
         return None
-    (*batch, m, d), (*k_batch, d_k, n), (*v_batch, n_v, d_v) = (_logical_shape(s) for s in (region.q, region.kt, region.v))
+    shapes = [_logical_shape(source) for source in (region.q, region.kt, region.v)]
+    (*batch, m, d), (*k_batch, d_k, n), (*v_batch, n_v, d_v) = shapes
     sizes = (*batch, *k_batch, *v_batch, m, d, n, d_v)
     if not (
         all(isinstance(size, int) for size in sizes)

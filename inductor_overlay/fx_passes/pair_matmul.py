@@ -3,7 +3,8 @@
 Invariant point attention also reduces its probabilities ``a`` ``[*lead, H, M, N]`` against the pair tensor ``z``
 ``[*lead, M, N, C]``. The attention fusion takes that as ``(a.unsqueeze(-1) * z.unsqueeze(-4)).sum(-2)`` (a
 ``PairReduction``); OpenFold writes it as ``matmul(a.transpose(-2, -3), z)``, a batched matmul over the query
-positions whose ``[*lead, M, H, C]`` result holds the same sums: ``out[.., m, h, c] = Σ_n a[.., h, m, n]·z[.., m, n, c]``.
+positions whose ``[*lead, M, H, C]`` result holds the same sums:
+``out[.., m, h, c] = Σ_n a[.., h, m, n]·z[.., m, n, c]``.
 This pass replaces such a matmul by that sum, transposed back, so that the attention fuses with it as its second
 output. It keeps the rewrite only when the attention then fuses with this sum (``find_attention`` accepts it), and
 otherwise leaves the graph as it was.
@@ -62,7 +63,8 @@ def _sum_form(bmm: torch.fx.Node) -> Optional[tuple[torch.fx.Node, list[torch.fx
 
     with graph.inserting_before(bmm):
         rank = len(lead) + 3
-        products = op(aten.mul.Tensor, op(aten.unsqueeze.default, probabilities, -1), op(aten.unsqueeze.default, pair.node, -4))
+        weights = op(aten.unsqueeze.default, probabilities, -1)  # [*lead, H, M, N, 1]
+        products = op(aten.mul.Tensor, weights, op(aten.unsqueeze.default, pair.node, -4))
         sums = op(aten.sum.dim_IntList, products, [-2])  # [*lead, H, M, C]
         by_row = op(aten.permute.default, sums, [*range(rank - 3), rank - 2, rank - 3, rank - 1])
         contiguous = op(aten.clone.default, by_row, memory_format=torch.contiguous_format)
