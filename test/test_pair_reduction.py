@@ -116,14 +116,16 @@ def openfold_pair_output(q, k, v, z):
     return weights @ v, torch.matmul(weights.transpose(-2, -3), z)  # [B, S, H, Cz], OpenFold's form
 
 
-def test_pair_output_written_as_a_matmul_over_query_batches_is_not_fused_yet():
-    """OpenFold writes Σ_j a_ij z_ij as a batched matmul with the query position as batch; the pass does not read
-    that form yet, so the attention keeps upstream's path and its results."""
+def test_pair_output_written_as_a_matmul_over_query_batches_fuses():
+    """OpenFold writes Σ_j a_ij z_ij as a batched matmul with the query position as batch
+    (``fx_passes/pair_matmul.py`` turns it into the kernel's pair sum): one attention, no extern matmul."""
     g = torch.Generator().manual_seed(2)
     inputs = dict(q=torch.randn(1, 2, 17, 8, generator=g), k=torch.randn(1, 2, 17, 8, generator=g),
                   v=torch.randn(1, 2, 17, 8, generator=g), z=torch.randn(1, 17, 17, 3, generator=g))
-    check_against_eager(openfold_pair_output, inputs)
-    assert counters["inductor"]["flashlight_attention_fused"] == 0
+    (_, pair), code = check_against_eager(openfold_pair_output, inputs)
+    testing.check_kernels(code, extern_calls=0)
+    assert pair.shape == (1, 17, 2, 3)
+    assert counters["inductor"]["flashlight_attention_fused"] == 1
 
 
 def test_pair_reduction_gets_one_tile_config_on_the_gpu():
