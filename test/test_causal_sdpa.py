@@ -14,6 +14,7 @@ from flashlight import testing
 from inductor_overlay import config
 from inductor_overlay.fx_passes.block_sparsity import COL, ROW
 from inductor_overlay.fx_passes.causal_sdpa import masks_above_diagonal
+from test.test_attention_fusion import reference
 
 counters = torch._dynamo.utils.counters
 
@@ -21,10 +22,6 @@ counters = torch._dynamo.utils.counters
 def compile_with_route(fn, *args, policy="unmasked_sdpa"):
     with testing.cpu_triton(), config.patch(sdpa_pattern_policy=policy, causal_sdpa_devices=("cpu",)):
         return testing.compile_and_get_code(fn, *args)
-
-
-def reference(fn, *args):
-    return fn(*(a.double() for a in args))
 
 
 def bf16(*shape):

@@ -67,7 +67,6 @@ from inductor_overlay.fx_passes.block_sparsity import (
     position_masks,
 )
 from inductor_overlay.fx_passes.block_sparsity import is_op as _is
-from inductor_overlay.fx_passes.causal_sdpa import causal_sdpa_scale, replace_by_causal_sdpa
 from inductor_overlay.fx_passes.logit_scale import fold_constant_scale
 from inductor_overlay.kernel.online_softmax_attention import MAX_HEAD_DIM
 from inductor_overlay.ops import MaskSummary, ScoreChain, register_mask_summary, register_score_chain
@@ -976,6 +975,8 @@ def _as_matmul_output(graph: torch.fx.Graph, fused: torch.fx.Node, rank: int, ou
 
 def fuse_attention(graph: torch.fx.Graph) -> None:
     """Post-grad pass: every fusable softmax→matmul becomes one fused attention node."""
+    from inductor_overlay.fx_passes.causal_sdpa import causal_sdpa_scale, replace_by_causal_sdpa  # (it imports us)
+
     if not config.attention_fusion:
         return
     changed = False

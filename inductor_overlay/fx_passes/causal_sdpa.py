@@ -13,23 +13,28 @@ is traced under the graph's fake mode, so the backend (cuDNN, FlashAttention, ..
 from __future__ import annotations
 
 import contextlib
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
 import sympy
 import torch
 from torch._inductor.pattern_matcher import fwd_only
 
 from inductor_overlay import config
+from inductor_overlay.fx_passes.attention_fusion import (
+    _RESHAPES,
+    AttentionRegion,
+    BatchSource,
+    _materialise,
+    _reroute_size_reads,
+    _score_chain_module,
+    call_op,
+)
 from inductor_overlay.fx_passes.block_sparsity import COL, ROW, absorbing_fill_masks, position_masks
 from inductor_overlay.fx_passes.logit_scale import fold_constant_scale
 
-if TYPE_CHECKING:
-    from inductor_overlay.fx_passes.attention_fusion import AttentionRegion, BatchSource
 
 aten = torch.ops.aten
 prims = torch.ops.prims
-
-_RESHAPES = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
 
 # The largest head dim given to SDPA: the head dims its causal kernel was measured at (64, 128).
 MAX_SDPA_HEAD_DIM = 128
@@ -59,16 +64,14 @@ def _only_dtype_conversions(module: torch.fx.GraphModule) -> bool:
     )
 
 
-def _logical_shape(source: "BatchSource") -> tuple:
+def _logical_shape(source: BatchSource) -> tuple:
     """The operand's shape as the matmul reads it (the source's last two dims swapped back if it is transposed)."""
     shape = tuple(source.node.meta["val"].shape)
     return (*shape[:-2], shape[-1], shape[-2]) if source.transposed else shape
 
 
-def causal_sdpa_scale(region: "AttentionRegion") -> Optional[float]:
+def causal_sdpa_scale(region: AttentionRegion) -> Optional[float]:
     """The softmax scale when ``region`` is SDPA's causal attention and the policy gives it to SDPA, else None."""
-    from inductor_overlay.fx_passes.attention_fusion import _score_chain_module
-
     values = [source.node.meta["val"] for source in (region.q, region.kt, region.v)]
     if (
         config.sdpa_pattern_policy not in ("sdpa", "unmasked_sdpa")
@@ -116,10 +119,8 @@ def _sdpa_graph(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float)
         return fwd_only(causal_attention, [q, k, v])
 
 
-def replace_by_causal_sdpa(region: "AttentionRegion", scale: float) -> torch.fx.Node:
+def replace_by_causal_sdpa(region: AttentionRegion, scale: float) -> torch.fx.Node:
     """Replace the region by SDPA's causal attention and return the node that now stands for ``region.pv``."""
-    from inductor_overlay.fx_passes.attention_fusion import _materialise, _reroute_size_reads, call_op
-
     graph = region.pv.graph
     with graph.inserting_before(region.pv):
         q, kt, v = (_materialise(graph, source) for source in (region.q, region.kt, region.v))
