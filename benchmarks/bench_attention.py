@@ -36,6 +36,7 @@ FLASHLIGHT_POLICIES: dict[str, dict[str, Any]] = {
     "flashlight_autotuned": {"tile_autotuning": "always"},
     "flashlight_sdpa_kept": {"sdpa_pattern_policy": "sdpa"},
     "flashlight_causal_sdpa": {"causal_sdpa_devices": ("cuda",)},
+    "flashlight_causal_kernel": {"causal_sdpa_devices": ()},
 }
 COLUMNS = "variant,impl,B,H,M,N,D,dtype,ms,tflops,rel_err,compile_s,device,torch,triton,date".split(",")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}

@@ -79,9 +79,11 @@ tile_autotuning: str = os.environ.get("FLASHLIGHT_TILE_AUTOTUNING", "max-autotun
 sdpa_pattern_policy: str = os.environ.get("FLASHLIGHT_SDPA_PATTERN_POLICY", "unmasked_sdpa")
 # Under "sdpa" and "unmasked_sdpa", plain causal attention (constant scale, the top-left causal mask, fp16/bf16) on
 # these device types runs as SDPA with is_causal=True (fx_passes/causal_sdpa.py); "flashlight" keeps it fused.
-# Off until measured inside torch.compile on the H100: eager SDPA's causal kernel took 10–23% less time than ours
-# there, but the route itself has not yet run on a GPU. FLASHLIGHT_CAUSAL_SDPA_DEVICES=cuda turns it on.
-causal_sdpa_devices: tuple = tuple(filter(None, os.environ.get("FLASHLIGHT_CAUSAL_SDPA_DEVICES", "").split(",")))
+# On the H100 the route ran as fast as eager SDPA (0.99-1.02x) and took 9-30% less time than our causal kernel
+# (benchmarks/results/h100_2026-11-23_causal_sdpa_route/). FLASHLIGHT_CAUSAL_SDPA_DEVICES= (empty) turns it off.
+causal_sdpa_devices: tuple = tuple(
+    filter(None, os.environ.get("FLASHLIGHT_CAUSAL_SDPA_DEVICES", "cuda").split(","))
+)
 
 
 install_config_module(sys.modules[__name__])

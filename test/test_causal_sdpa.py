@@ -1,6 +1,6 @@
 """Plain causal attention goes to SDPA's kernel under the SDPA policies; everything else stays fused (CPU harness).
 
-On the CPU the route is off by default (``config.causal_sdpa_devices`` is ("cuda",)); these tests turn it on for
+The default device list is ("cuda",), so on the CPU the route is off; most tests here turn it on for
 the CPU, where SDPA runs its CPU flash kernel, and compare with float64 eager.
 """
 
@@ -119,3 +119,16 @@ def test_attention_sdpa_does_not_compute_exactly_stays_fused(case):
     testing.assert_close_to_reference(out, reference(fn, *args))
     if case == "diagonal_masked_too":
         assert out[..., 0, :].isnan().all() and not out[..., 1:, :].isnan().any()
+
+
+def test_route_follows_the_device_list():
+    """The default names only CUDA (measured there); a device type not in the list keeps the fused kernel."""
+    assert config.causal_sdpa_devices == ("cuda",)
+    args = [bf16(1, 2, 24, 16) for _ in range(3)]
+    with testing.cpu_triton():
+        out, code = testing.compile_and_get_code(variants.causal_masked_fill, *args)
+    FileCheck().check_not("scaled_dot_product").run("\n".join(code))
+    assert [name for name, kernel in testing.triton_kernels(code).items() if "tl.dot" in kernel]
+    assert counters["inductor"]["flashlight_attention_as_sdpa"] == 0
+    assert counters["inductor"]["flashlight_attention_fused"] == 1
+    testing.assert_close_to_reference(out, reference(variants.causal_masked_fill, *args))
