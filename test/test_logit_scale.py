@@ -7,6 +7,7 @@ import pytest
 import torch
 from torch.testing import FileCheck
 
+from benchmarks import variants
 from flashlight import testing
 from inductor_overlay import config
 from inductor_overlay.kernel.online_softmax_attention import LOG2E
@@ -35,6 +36,16 @@ def biased_then_scaled(q, k, v):
     return torch.softmax((q @ k.transpose(-2, -1) - 0.1 * (rows - cols).abs()) * 0.5, dim=-1) @ v
 
 
+def finite_fill_scaled_first(factor, fill=torch.finfo(torch.float32).min):
+    """GPT-2's order (scale, then ``where(causal, w, fill)``) with any factor and fill."""
+
+    def attention(q, k, v):
+        rows, cols = _rows_cols(q, k)
+        return torch.softmax(torch.where(cols <= rows, q @ k.transpose(-2, -1) * factor, fill), dim=-1) @ v
+
+    return attention
+
+
 def _logit_scale(kernel):
     return float(re.search(r"LOGIT_SCALE : tl.constexpr = (\S+)", kernel)[1])
 
@@ -48,7 +59,9 @@ def _compile(fn, *args, **patches):
 
 
 @pytest.mark.parametrize(
-    "fn,factor", [(causal_divided, 0.25), (two_factors, 0.15)], ids=["causal-divided", "two-factors"]
+    "fn,factor",
+    [(causal_divided, 0.25), (two_factors, 0.15), (variants.gpt2_causal_where, 0.25)],
+    ids=["causal-divided", "two-factors", "gpt2-finite-fill"],
 )
 def test_constant_scale_joins_the_exp2_factor(fn, factor):
     """The chain keeps only its mask; every logit is scaled and shifted by the row max in one expression."""
@@ -65,12 +78,20 @@ def test_constant_scale_joins_the_exp2_factor(fn, factor):
 
 @pytest.mark.parametrize(
     "fn,patches",
-    [(negative_factor, {}), (biased_then_scaled, {}), (two_factors, {"fold_logit_scale": False})],
-    ids=["negative-factor", "bias-before-scale", "flag-off"],
+    [
+        (negative_factor, {}),
+        (biased_then_scaled, {}),
+        (two_factors, {"fold_logit_scale": False}),
+        (finite_fill_scaled_first(0.25, fill=-1e4), {}),
+        (finite_fill_scaled_first(1e-3), {}),
+    ],
+    ids=["negative-factor", "bias-before-scale", "flag-off", "fill-not-absorbing", "fill-lifted-above-bound"],
 )
 def test_scale_stays_in_the_chain_when_it_cannot_fold(fn, patches):
     """A negative factor would turn the row max into a min, and a bias added before the scale does not commute
-    with it: the chain keeps its factors and the kernel's factor is log2(e) alone."""
+    with it; a finite fill weighs in eager's softmax unless it is absorbing (-1e4 is not), and folding 1e-3 into
+    finfo.min's fill would lift it to -3.4e35, above -2^124, where it might not absorb: the chain keeps its
+    factors and the kernel's factor is log2(e) alone."""
     q, k, v = (torch.randn(1, 2, 70, 16) for _ in range(3))
     out, kernel = _compile(fn, q, k, v, **patches)
     assert _logit_scale(kernel) == LOG2E

@@ -50,6 +50,7 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 from inductor_overlay import config
 from inductor_overlay.fx_passes.block_sparsity import (
     ABSORBING_BIAS_GAP,
+    ABSORBING_FILL,
     IDS_ALL_EQUAL,
     MASK_TABLE_CELL,
     TABLE_CELLS_UNMASKED,
@@ -784,12 +785,16 @@ def _chain_value_module(region: AttentionRegion, value: torch.fx.Node, shape: li
     return torch.fx.GraphModule(torch.nn.Module(), graph)
 
 
-def _logits_may_near_float_max(region: AttentionRegion) -> bool:
+def _logits_may_near_float_max(region: AttentionRegion, absorbing_fills: frozenset) -> bool:
     """Whether the chain reads a floating-point tensor (its values are unknown: HF's additive masks hold finfo.min)
-    or computes with a constant of magnitude 2^64 or more that is not infinite."""
+    or computes with a constant of magnitude 2^64 or more that is not infinite. The constants of absorbing fills
+    do not count: they act as -inf, so overflowing to -inf once scaled changes nothing (every row keeps a key)."""
     if any(_val(tensor) is not None and _val(tensor).is_floating_point() for tensor in region.captured):
         return True
-    constants = torch.utils._pytree.tree_leaves([(node.args, node.kwargs) for node in region.chain])
+    fill_nodes = {where.args[1] if fill_is_true_branch(where) else where.args[2] for where in absorbing_fills}
+    only_fills = {node for node in fill_nodes if isinstance(node, torch.fx.Node) and set(node.users) <= absorbing_fills}
+    nodes = [node for node in region.chain if node not in only_fills]
+    constants = torch.utils._pytree.tree_leaves([(node.args, node.kwargs) for node in nodes])
     return any(isinstance(c, float) and 2.0**64 <= abs(c) < math.inf for c in constants)
 
 
@@ -855,14 +860,15 @@ def _hoist_before(node: torch.fx.Node, anchor: torch.fx.Node) -> None:
 
 
 def _folded_chains(
-    region: AttentionRegion, chain: torch.fx.GraphModule, unmasked: Optional[torch.fx.GraphModule]
+    region: AttentionRegion, chain: torch.fx.GraphModule, unmasked: Optional[torch.fx.GraphModule], fills: frozenset
 ) -> tuple[torch.fx.GraphModule, Optional[torch.fx.GraphModule], float]:
     """The chains (whole, and without the dropped masks) with their constant scale folded into the kernel's exp2
     factor (``logit_scale.fold_constant_scale``), and that scale; the chains as they are (scale 1) unless both fold
-    to the same scale."""
+    to the same scale. With absorbing finite ``fills`` the fold must keep them absorbing."""
     if not (region.softmax and config.fold_logit_scale):
         return chain, unmasked, 1.0
-    folds = [fold_constant_scale(module) for module in (chain, unmasked) if module is not None]
+    fill_bound = ABSORBING_FILL / region.logit_scale if fills else None
+    folds = [fold_constant_scale(module, fill_bound) for module in (chain, unmasked) if module is not None]
     if not all(folds) or len({scale for _, scale in folds}) != 1:
         return chain, unmasked, 1.0
     return folds[0][0], folds[1][0] if unmasked is not None else None, folds[0][1]
@@ -873,7 +879,7 @@ def fuse(region: AttentionRegion, group_coefficients: Optional[torch.fx.Node] = 
     consecutive heads; see ``ops.py``) and return the node that now stands for ``region.pv``."""
     graph = region.pv.graph
     score_shape = _val(region.score_root).shape
-    formula, mask_nodes, skippable = None, [], None
+    formula, mask_nodes, skippable, fills = None, [], None, frozenset()
     if region.softmax:
         fills = absorbing_fill_masks(region.chain, region.score_root, region.logits, region.logit_scale)
         formula, mask_nodes, skippable = position_masks(region.chain, len(score_shape), fills)
@@ -899,7 +905,7 @@ def fuse(region: AttentionRegion, group_coefficients: Optional[torch.fx.Node] = 
     split = unmasked is not None and _worth_a_visible_loop(unmasked, region, drops_mask_loads)
     visible_tile_code = _visible_tile_code(formula, id_mask, drops_mask_loads) if split else None
     chain_module, unmasked_module, folded_scale = _folded_chains(
-        region, _score_chain_module(region), unmasked if visible_tile_code else None
+        region, _score_chain_module(region), unmasked if visible_tile_code else None, fills
     )
     chain_id = register_score_chain(
         ScoreChain(
@@ -917,7 +923,7 @@ def fuse(region: AttentionRegion, group_coefficients: Optional[torch.fx.Node] = 
             id_graph_modules=None if id_mask is None else tuple(
                 _chain_value_module(region, ids, list(score_shape)) for ids in (id_mask.rows, id_mask.columns)
             ),
-            wide_logits=region.softmax and _logits_may_near_float_max(region),
+            wide_logits=region.softmax and _logits_may_near_float_max(region, fills),
             batch_fastest=_batch_fastest(region, score_shape),
             mask_table_module=None if mask_table is None else _chain_value_module(
                 region, mask_table, [*(score_shape[:-2] or [1]), *_table_cells(score_shape, mask_table)]

@@ -4,6 +4,9 @@ Most chains scale the scores by a constant (``/ sqrt(d)``) and mask some of them
 logits by log2(e) anyway; when the chain is only positive constant factors and -inf masks, the factors can join
 that multiply, so the kernel scales each logit and subtracts the row max in one fma instead of two multiplies and
 a subtraction. The row max commutes with a positive factor exactly (rounding is monotone), and -inf stays -inf.
+A finite fill the mask analysis proved absorbing (``block_sparsity.absorbing_fill_masks``) is scaled by the folded
+factor too; the fold is kept only if it still reaches the softmax at most ``ABSORBING_FILL``, so it still adds
+exactly 0 wherever eager's did.
 """
 
 from __future__ import annotations
@@ -12,7 +15,7 @@ from typing import Optional
 
 import torch
 
-from inductor_overlay.fx_passes.block_sparsity import is_minus_inf, positive_scalar
+from inductor_overlay.fx_passes.block_sparsity import constant_value, is_minus_inf, positive_scalar
 
 aten = torch.ops.aten
 prims = torch.ops.prims
@@ -31,24 +34,37 @@ def _scale_step(node: torch.fx.Node, scaled: dict) -> Optional[tuple[torch.fx.No
     return first, factor if node.target is aten.mul.Tensor else 1.0 / factor
 
 
-def _passes_scale_through(node: torch.fx.Node, scaled: dict) -> bool:
+def _passes_scale_through(node: torch.fx.Node, scaled: dict, fills: Optional[list]) -> bool:
     """Nodes that commute with a positive factor: floating dtype conversions, and ``where`` choosing between the
-    scaled value and -inf (a mask whose condition does not read the scores)."""
+    scaled value and -inf (a mask whose condition does not read the scores), or a finite constant when ``fills``
+    collects them (the caller bounds them once the factor is known)."""
     if node.target is prims.convert_element_type.default:
         return node.args[0] in scaled and node.args[1].is_floating_point
-    if node.target is aten.where.self:
-        condition, if_true, if_false = node.args
-        branches = [branch for branch in (if_true, if_false) if not is_minus_inf(branch)]
-        return condition not in scaled and len(branches) == 1 and branches[0] in scaled
-    return False
+    if node.target is not aten.where.self:
+        return False
+    condition, if_true, if_false = node.args
+    if condition in scaled or (if_true in scaled) == (if_false in scaled):
+        return False
+    fill = if_false if if_true in scaled else if_true
+    if is_minus_inf(fill):
+        return True
+    value = constant_value(fill)
+    if fills is None or value is None or value >= 0:
+        return False
+    fills.append(value)
+    return True
 
 
-def fold_constant_scale(module: torch.fx.GraphModule) -> Optional[tuple[torch.fx.GraphModule, float]]:
+def fold_constant_scale(
+    module: torch.fx.GraphModule, fill_bound: Optional[float] = None
+) -> Optional[tuple[torch.fx.GraphModule, float]]:
     """The chain without its constant factors, and their product; None unless every node the scores reach is a
-    positive constant factor or passes the scale through (see above) and the output is the scaled value."""
+    positive constant factor or passes the scale through (see above) and the output is the scaled value. With
+    ``fill_bound``, masks may fill with finite constants whose product with the folded factor is at most it."""
     graph = module.graph
     score = next(node for node in graph.nodes if node.op == "placeholder")
     scaled = {score: 1.0}  # nodes that are the scores times a known positive factor
+    fills: Optional[list] = [] if fill_bound is not None else None
     bypass: dict[torch.fx.Node, torch.fx.Node] = {}
     for node in graph.nodes:
         if node.op != "call_function" or not any(arg in scaled for arg in node.all_input_nodes):
@@ -57,14 +73,14 @@ def fold_constant_scale(module: torch.fx.GraphModule) -> Optional[tuple[torch.fx
         if step is not None:
             scaled[node] = scaled[step[0]] * step[1]
             bypass[node] = step[0]
-        elif _passes_scale_through(node, scaled):
+        elif _passes_scale_through(node, scaled, fills):
             source = next(arg for arg in node.all_input_nodes if arg in scaled)
             scaled[node] = scaled[source]
         else:
             return None
     output = next(node for node in graph.nodes if node.op == "output")
     result = output.args[0]
-    if result not in scaled or not bypass:
+    if result not in scaled or not bypass or any(fill * scaled[result] > fill_bound for fill in fills or ()):
         return None
     folded = torch.fx.Graph()
     env: dict[torch.fx.Node, torch.fx.Node] = {}
