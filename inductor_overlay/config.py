@@ -79,8 +79,8 @@ tile_autotuning: str = os.environ.get("FLASHLIGHT_TILE_AUTOTUNING", "max-autotun
 sdpa_pattern_policy: str = os.environ.get("FLASHLIGHT_SDPA_PATTERN_POLICY", "unmasked_sdpa")
 # Under "sdpa" and "unmasked_sdpa", plain causal attention (constant scale, the top-left causal mask, fp16/bf16) on
 # these device types runs as SDPA with is_causal=True (fx_passes/causal_sdpa.py); "flashlight" keeps it fused.
-# On the H100 the route ran as fast as eager SDPA (0.99-1.02x) and took 9-30% less time than our causal kernel
-# (benchmarks/results/h100_2026-11-23_causal_sdpa_route/). FLASHLIGHT_CAUSAL_SDPA_DEVICES= (empty) turns it off.
+# On the H100 the route ran at 0.98-1.03x of eager SDPA over the issue-5 grid, where our causal kernel ran at
+# 0.72-0.90x (benchmarks/results/h100_2026-11-23_causal_sdpa_route/grid/). FLASHLIGHT_CAUSAL_SDPA_DEVICES= (empty) turns it off.
 causal_sdpa_devices: tuple = tuple(
     filter(None, os.environ.get("FLASHLIGHT_CAUSAL_SDPA_DEVICES", "cuda").split(","))
 )
