@@ -35,8 +35,9 @@ FLASHLIGHT_POLICIES: dict[str, dict[str, Any]] = {
     "flashlight_visible_loop_d64": {"visible_loop_max_head_dim": 64},
     "flashlight_autotuned": {"tile_autotuning": "always"},
     "flashlight_sdpa_kept": {"sdpa_pattern_policy": "sdpa"},
-    "flashlight_causal_sdpa": {"causal_sdpa_devices": ("cuda",)},
-    "flashlight_causal_kernel": {"causal_sdpa_devices": ()},
+    "flashlight_causal_sdpa": {"sdpa_route_devices": ("cuda",)},
+    "flashlight_causal_kernel": {"sdpa_route_devices": ()},
+    "flashlight_libdevice_tanh": {"fast_tanh": False},
 }
 COLUMNS = "variant,impl,B,H,M,N,D,dtype,ms,tflops,rel_err,compile_s,device,torch,triton,date".split(",")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}

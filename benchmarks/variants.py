@@ -428,13 +428,20 @@ def gqa_repeat_interleave(q, k, v):
     return torch.softmax(scores.masked_fill(~causal, float("-inf")), dim=-1) @ v
 
 
-GQA = Variant(name="gqa", idioms={"expand": gqa_expand}, kv_groups=4, flex_score_mod=lambda extras: None)
+GQA = Variant(
+    name="gqa",
+    idioms={"expand": gqa_expand},
+    kv_groups=4,
+    flex_score_mod=lambda extras: None,
+    sdpa=lambda q, k, v: F.scaled_dot_product_attention(q, k, v, enable_gqa=True),
+)
 GQA_CAUSAL = Variant(
     name="gqa_causal",
     idioms={"repeat_interleave": gqa_repeat_interleave},
     kv_groups=4,
     flex_mask_mod=CAUSAL.flex_mask_mod,
     visible_fraction=CAUSAL.visible_fraction,
+    sdpa=lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True),
 )
 # ---------------------------------------------------------------- cross-attention (M != N) to a padded memory
 def _memory_padding(shape: Shape, device, dtype):
@@ -448,7 +455,13 @@ def cross_attention_padded(q, k, v, memory_mask):
     return torch.softmax(scores, dim=-1) @ v
 
 
-MQA = Variant(name="mqa", idioms={"expand": gqa_expand}, kv_groups=0, flex_score_mod=lambda extras: None)
+MQA = Variant(
+    name="mqa",
+    idioms={"expand": gqa_expand},
+    kv_groups=0,
+    flex_score_mod=lambda extras: None,
+    sdpa=GQA.sdpa,
+)
 
 CROSS = Variant(
     name="cross_attention",

@@ -7,6 +7,8 @@ Inductor generates Triton code for CPU tensors when ``cpu_backend == "triton"``,
 * Triton finds no active driver, but Inductor's codegen asks it for a target: a stub driver answers.
 * ``triton.language.extra.libdevice`` functions are empty stubs under the interpreter (they return None):
   NumPy implementations stand in for the ones Inductor emits.
+* The interpreter runs no inline assembly: the overlay's one instruction (``tanh.approx.f32``, which the GPU
+  path emits) runs as NumPy's exact tanh, so a test can force that path and check its wiring.
 
 Inside the block, buffers the compiled code allocates are poisoned (NaN), so unwritten output elements show.
 
@@ -130,6 +132,14 @@ _LIBDEVICE_NUMPY: dict[str, Callable[..., np.ndarray]] = {
 }
 
 
+def _numpy_inline_asm(asm: str, constraints: str, args: Sequence[Any], dtype: Any, is_pure: bool, pack: int) -> Any:
+    from inductor_overlay.kernel.online_softmax_attention import APPROXIMATE_TANH_ASM
+
+    if asm != APPROXIMATE_TANH_ASM or pack != 1:
+        raise NotImplementedError(f"inline assembly {asm!r} under the interpreter")
+    return _np_unary(np.tanh)(*args)
+
+
 def _interpreted_device_function_call() -> Callable[..., Any]:
     """A ``JITFunction.__call__`` that runs ``@triton.jit`` helpers (``tl.sum``, Inductor's ``triton_helpers``)
     through the interpreter: helpers decorated before ``TRITON_INTERPRET`` was set are compiled-mode
@@ -161,6 +171,7 @@ def cpu_triton() -> Iterator[None]:
     from unittest import mock
 
     from torch._inductor import config as inductor_config
+    import triton.language as tl
     from triton.language.extra import libdevice
     from triton.runtime.driver import driver
     from triton.runtime.jit import JITFunction
@@ -172,6 +183,7 @@ def cpu_triton() -> Iterator[None]:
         if not torch.cuda.is_available():
             stack.enter_context(mock.patch.object(driver, "_active", _stub_driver()))
         stack.enter_context(mock.patch.multiple(libdevice, **numpy_libdevice))
+        stack.enter_context(mock.patch.object(tl, "inline_asm_elementwise", _numpy_inline_asm))
         stack.enter_context(mock.patch.object(JITFunction, "__call__", _interpreted_device_function_call()))
         stack.enter_context(
             mock.patch.object(guards, "_empty_strided_cpu", _poisoned_allocator(guards._empty_strided_cpu))

@@ -77,13 +77,16 @@ tile_autotuning: str = os.environ.get("FLASHLIGHT_TILE_AUTOTUNING", "max-autotun
 # only where it applies no mask: with a mask SDPA runs a kernel that reads it per element and visits every tile,
 # where the overlay skips masked tiles (see benchmarks/results for the measurements).
 sdpa_pattern_policy: str = os.environ.get("FLASHLIGHT_SDPA_PATTERN_POLICY", "unmasked_sdpa")
-# Under "sdpa" and "unmasked_sdpa", plain causal attention (constant scale, the top-left causal mask, fp16/bf16) on
-# these device types runs as SDPA with is_causal=True (fx_passes/causal_sdpa.py); "flashlight" keeps it fused.
-# On the H100 the route ran at 0.98-1.03x of eager SDPA over the issue-5 grid, where our causal kernel ran at
-# 0.72-0.90x (benchmarks/results/h100_2026-11-23_causal_sdpa_route/grid/). FLASHLIGHT_CAUSAL_SDPA_DEVICES= (empty) turns it off.
-causal_sdpa_devices: tuple = tuple(
-    filter(None, os.environ.get("FLASHLIGHT_CAUSAL_SDPA_DEVICES", "cuda").split(","))
-)
+# tanh in an attention kernel's score chain (soft-capping), where its input is fp16/bf16, as the GPU's tanh.approx.f32
+# (one instruction, maximum relative error 2^-11) instead of libdevice's tanhf; eager rounds that result to 16 bits.
+fast_tanh: bool = os.environ.get("FLASHLIGHT_FAST_TANH", "1") != "0"
+
+# Under "sdpa" and "unmasked_sdpa", attention SDPA's fused kernels compute exactly (constant scale, no mask or the
+# top-left causal mask, K/V read directly or repeated over query-head groups, fp16/bf16) runs as SDPA on these device
+# types (fx_passes/sdpa_route.py); "flashlight" keeps it fused. On the H100 the route ran causal attention at
+# 0.98-1.03x of eager SDPA over the issue-5 grid, where our causal kernel ran at 0.72-0.90x
+# (benchmarks/results/h100_2026-11-23_causal_sdpa_route/grid/). FLASHLIGHT_SDPA_ROUTE_DEVICES= (empty) turns it off.
+sdpa_route_devices: tuple = tuple(filter(None, os.environ.get("FLASHLIGHT_SDPA_ROUTE_DEVICES", "cuda").split(",")))
 
 
 install_config_module(sys.modules[__name__])

@@ -981,7 +981,7 @@ def _as_matmul_output(graph: torch.fx.Graph, fused: torch.fx.Node, rank: int, ou
 
 def fuse_attention(graph: torch.fx.Graph) -> None:
     """Post-grad pass: every fusable softmax→matmul becomes one fused attention node."""
-    from inductor_overlay.fx_passes.causal_sdpa import causal_sdpa_scale, replace_by_causal_sdpa  # (it imports us)
+    from inductor_overlay.fx_passes.sdpa_route import replace_by_sdpa, sdpa_call  # (it imports us)
 
     if not config.attention_fusion:
         return
@@ -996,11 +996,10 @@ def fuse_attention(graph: torch.fx.Graph) -> None:
                 log.info("attention not fused at %s: %s", pv.name, outcome.reason)
             continue
         changed = True
-        sdpa_scale = causal_sdpa_scale(outcome)
-        if sdpa_scale is not None:
-            replace_by_causal_sdpa(outcome, sdpa_scale)
+        call = sdpa_call(outcome)
+        if call is not None and replace_by_sdpa(outcome, call) is not None:
             counters["inductor"]["flashlight_attention_as_sdpa"] += 1
-            log.info("causal attention at %s runs as SDPA (is_causal=True, scale %g)", pv.name, sdpa_scale)
+            log.info("attention at %s runs as SDPA (%s)", pv.name, call)
             continue
         fuse(outcome)
         counters["inductor"]["flashlight_attention_fused"] += 1

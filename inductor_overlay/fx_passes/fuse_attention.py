@@ -4,7 +4,9 @@ Upstream's joint-graph pass (``torch/_inductor/fx_passes/fuse_attention.py``) re
 attention into ``scaled_dot_product_attention`` before our post-grad pass sees them. ``config.sdpa_pattern_policy``
 decides: ``"sdpa"`` keeps upstream's rewrite, ``"flashlight"`` declines it so the overlay fuses the program itself,
 ``"unmasked_sdpa"`` declines the patterns that apply a mask (an ``add`` or a ``where`` among the matched nodes) and
-keeps the others.
+keeps the others. Under both SDPA policies a pattern whose K and V are repeated over query-head groups (GQA) is
+declined where ``fx_passes/sdpa_route.py`` takes it: the route gives SDPA the unrepeated K/V (``enable_gqa``), where
+upstream's rewrite copies the repeated ones first.
 
 Upstream registers some of its patterns with a reference to ``_sfdp_params_check`` taken once per process, when
 the first graph is compiled. The wrapper therefore also answers as upstream whenever the patches are reverted, and
@@ -32,9 +34,15 @@ def wrap_sfdp_params_check(upstream_check: Callable[[Any], bool]) -> Callable[[A
     def _sfdp_params_check(match: Any) -> bool:
         import torch_patches
 
+        from inductor_overlay.fx_passes.sdpa_route import takes_repeated_kv
+
         policy = config.sdpa_pattern_policy
         applies_a_mask = any(node.target in _MASKING for node in match.nodes)
-        declines = config.attention_fusion and (policy == "flashlight" or (policy == "unmasked_sdpa" and applies_a_mask))
+        declines = config.attention_fusion and (
+            policy == "flashlight"
+            or (policy == "unmasked_sdpa" and applies_a_mask)
+            or takes_repeated_kv(match.kwargs["key"], match.kwargs["value"])
+        )
         if declines and overlay_active() and torch_patches.is_applied():
             return False
         return upstream_check(match)

@@ -23,7 +23,7 @@ import sympy
 import torch
 from torch._inductor import config as inductor_config
 from torch._inductor import ir
-from torch._inductor.lowering import empty_strided, register_lowering
+from torch._inductor.lowering import empty_strided, lowerings, register_lowering
 from torch._inductor.select_algorithm import (
     SymbolicGridFn,
     TritonTemplate,
@@ -643,9 +643,37 @@ def _unrolled_sum(x: Any, dims: Sequence[int], keepdim: bool = False) -> Any:
     return ir.Pointwise.create(device=x.get_device(), dtype=dtype, inner_fn=inner_fn, ranges=out_size)
 
 
+# The GPU's own tanh: one MUFU instruction, maximum relative error 2^-11 (PTX ISA, ``tanh.approx.f32``), where
+# libdevice's tanhf takes two MUFU instructions and about twenty others per logit.
+APPROXIMATE_TANH_ASM = "tanh.approx.f32 $0, $1;"
+
+
+def approximates_tanh(device: torch.device) -> bool:
+    """Whether the score chains on ``device`` take ``tanh.approx.f32`` for fp16/bf16 tanh (``config.fast_tanh``)."""
+    return overlay_config.fast_tanh and device.type == "cuda" and torch.version.hip is None
+
+
+def approximate_tanh(x: Any) -> Any:
+    """tanh of an fp16/bf16 tensor as ``tanh.approx.f32``: eager rounds that tanh's result to 16 bits, a larger
+    error than the approximation's for bf16 (2^-9 relative) and as large for fp16 (2^-11). A float32 tanh keeps
+    upstream's lowering (libdevice)."""
+    if x.get_dtype() not in (torch.float16, torch.bfloat16):
+        return lowerings[aten.tanh.default](x)
+    load = x.make_loader()
+
+    def inner_fn(index: Sequence[Any]) -> Any:
+        value = ops.to_dtype(load(index), torch.float32)
+        return ops.inline_asm_elementwise(
+            value, asm=APPROXIMATE_TANH_ASM, constraints="=r,r", dtype=torch.float32, is_pure=True, pack=1
+        )
+
+    # Kept in float32, as Inductor keeps its own 16-bit pointwise results (``codegen_upcast_to_fp32``).
+    return ir.Pointwise.create(device=x.get_device(), dtype=x.get_dtype(), inner_fn=inner_fn, ranges=x.get_size())
+
+
 def _lower_score_chain(
     graph_module: torch.fx.GraphModule, score_dtype: torch.dtype, score_size: list[Any], device: torch.device,
-    captured: list[Any],
+    captured: list[Any], fast_tanh: bool = False,
 ) -> ir.ComputedBuffer:
     """Lower the user's chain with Inductor's pointwise lowerings, then read it at the tile's positions."""
     score = ir.TensorBox.create(
@@ -655,7 +683,12 @@ def _lower_score_chain(
         )
     )
     lowering = PointwiseSubgraphLowering(
-        graph_module, root_graph_lowering=V.graph, additional_lowerings={aten.sum.dim_IntList: _unrolled_sum}
+        graph_module,
+        root_graph_lowering=V.graph,
+        additional_lowerings={
+            aten.sum.dim_IntList: _unrolled_sum,
+            **({aten.tanh.default: approximate_tanh} if fast_tanh else {}),
+        },
     )
     with V.set_graph_handler(lowering):
         lowering.run(score, *captured)
@@ -704,7 +737,10 @@ def _lower_attention(q, kt, v, captured, sink, chain_id, group_coefficients=None
     # not a dim of the scores (the head dim in a 1/sqrt(D) scale) is specialised, as the head dims are: the chain
     # may use it as a scalar, which Inductor's template codegen would give a tile's shape.
     chain_inputs = [*captured, *(_size_for_chain(size, score_size) for size in sizes)]
-    subgraphs = [_lower_score_chain(module, chain.score_dtype, score_size, device, chain_inputs) for module in chains]
+    fast_tanh = approximates_tanh(device)
+    subgraphs = [
+        _lower_score_chain(module, chain.score_dtype, score_size, device, chain_inputs, fast_tanh) for module in chains
+    ]
     table_subgraph = None
     if chain.mask_table_module is not None:
         table_subgraph = len(subgraphs)

@@ -1,4 +1,5 @@
-"""Plain causal attention goes to SDPA's kernel under the SDPA policies; everything else stays fused (CPU harness).
+"""Attention SDPA computes exactly (plain causal, and unmasked or causal with K/V repeated over query-head groups) goes
+to SDPA's kernel under the SDPA policies; everything else stays fused (CPU harness).
 
 The default device list is ("cuda",), so on the CPU the route is off; most tests here turn it on for
 the CPU, where SDPA runs its CPU flash kernel, and compare with float64 eager.
@@ -13,14 +14,14 @@ from benchmarks import variants
 from flashlight import testing
 from inductor_overlay import config
 from inductor_overlay.fx_passes.block_sparsity import COL, ROW
-from inductor_overlay.fx_passes.causal_sdpa import masks_above_diagonal
+from inductor_overlay.fx_passes.sdpa_route import masks_above_diagonal
 from test.test_attention_fusion import reference
 
 counters = torch._dynamo.utils.counters
 
 
 def compile_with_route(fn, *args, policy="unmasked_sdpa"):
-    with testing.cpu_triton(), config.patch(sdpa_pattern_policy=policy, causal_sdpa_devices=("cpu",)):
+    with testing.cpu_triton(), config.patch(sdpa_pattern_policy=policy, sdpa_route_devices=("cpu",)):
         return testing.compile_and_get_code(fn, *args)
 
 
@@ -123,7 +124,7 @@ def test_attention_sdpa_does_not_compute_exactly_stays_fused(case):
 
 def test_route_follows_the_device_list():
     """The default names only CUDA (measured there); a device type not in the list keeps the fused kernel."""
-    assert config.causal_sdpa_devices == ("cuda",)
+    assert config.sdpa_route_devices == ("cuda",)
     args = [bf16(1, 2, 24, 16) for _ in range(3)]
     with testing.cpu_triton():
         out, code = testing.compile_and_get_code(variants.causal_masked_fill, *args)
@@ -132,3 +133,44 @@ def test_route_follows_the_device_list():
     assert counters["inductor"]["flashlight_attention_as_sdpa"] == 0
     assert counters["inductor"]["flashlight_attention_fused"] == 1
     testing.assert_close_to_reference(out, reference(variants.causal_masked_fill, *args))
+
+
+GROUPED = {  # fn, q/k/v shapes, causal
+    "gqa_causal_repeat_interleave": (variants.gqa_repeat_interleave, [(2, 8, 40, 16), (2, 2, 40, 16), (2, 2, 40, 16)], True),
+    "gqa_expand": (variants.gqa_expand, [(2, 8, 40, 16), (2, 2, 40, 16), (2, 2, 40, 16)], False),
+    "mqa_expand_cross": (variants.gqa_expand, [(2, 8, 40, 16), (2, 1, 24, 16), (2, 1, 24, 16)], False),
+}
+
+
+@pytest.mark.parametrize("case", GROUPED)
+def test_grouped_kv_runs_as_sdpa_reading_kv_in_place(case):
+    """GQA/MQA: SDPA gets the unrepeated K and V (enable_gqa); nothing copies them, so the call is the only work.
+    The unmasked GQA form is one upstream would rewrite to SDPA itself, after copying the repeated K/V."""
+    fn, shapes, causal = GROUPED[case]
+    args = [bf16(*shape) for shape in shapes]
+    out, code = compile_with_route(fn, *args)
+    text = "\n".join(code)
+    FileCheck().check("aten._scaled_dot_product_flash_attention_for_cpu").check(
+        "True, scale=0.25" if causal else "scale=0.25"
+    ).run(text)
+    assert ("0.0, True" in text) is causal
+    assert counters["inductor"]["flashlight_attention_as_sdpa"] == 1
+    assert counters["inductor"]["flashlight_attention_fused"] == 0
+    assert counters["inductor"]["fuse_attention"] == 0
+    assert testing.triton_kernels(code) == {}
+    testing.assert_close_to_reference(out, reference(fn, *args))
+
+
+def causal_kv_shared_by_the_batch(q, k, v):
+    """One K/V for every batch entry: repeated over a leading dim, which SDPA's GQA layout cannot read."""
+    k, v = k.expand(q.shape[0], -1, -1, -1), v.expand(q.shape[0], -1, -1, -1)
+    return variants.causal_masked_fill(q, k, v)
+
+
+def test_kv_repeated_over_the_batch_stays_fused():
+    args = [bf16(3, 2, 40, 16), bf16(1, 2, 40, 16), bf16(1, 2, 40, 16)]
+    out, code = compile_with_route(causal_kv_shared_by_the_batch, *args)
+    FileCheck().check_not("scaled_dot_product").run("\n".join(code))
+    assert counters["inductor"]["flashlight_attention_as_sdpa"] == 0
+    assert counters["inductor"]["flashlight_attention_fused"] == 1
+    testing.assert_close_to_reference(out, reference(causal_kv_shared_by_the_batch, *args))
