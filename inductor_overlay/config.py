@@ -78,7 +78,9 @@ tile_autotuning: str = os.environ.get("FLASHLIGHT_TILE_AUTOTUNING", "max-autotun
 # where the overlay skips masked tiles (see benchmarks/results for the measurements).
 sdpa_pattern_policy: str = os.environ.get("FLASHLIGHT_SDPA_PATTERN_POLICY", "unmasked_sdpa")
 # tanh in an attention kernel's score chain (soft-capping), where its input is fp16/bf16, as the GPU's tanh.approx.f32
-# (one instruction, maximum relative error 2^-11) instead of libdevice's tanhf; eager rounds that result to 16 bits.
+# (one instruction; the PTX ISA bounds its relative error by 2^-11, the H100 measured 9.9e-6) instead of libdevice's
+# tanhf; eager rounds that result to 16 bits (bf16: up to 3.9e-3). Soft-cap on the H100: 1.6-1.8x faster
+# (benchmarks/results/h100_2026-11-23_gqa_route_fast_tanh/fast_tanh/).
 fast_tanh: bool = os.environ.get("FLASHLIGHT_FAST_TANH", "1") != "0"
 
 # Under "sdpa" and "unmasked_sdpa", attention SDPA's fused kernels compute exactly (constant scale, no mask or the

@@ -2,7 +2,7 @@
 
 The CPU harness forces the GPU's choice (``approximates_tanh``) and runs the instruction as NumPy's exact tanh
 (``flashlight.testing``), so these tests pin the wiring and the dtype rule; the approximation's error was measured
-on the GPU (benchmarks/results/h100_2026-11-23_sdpa_route_gqa/fast_tanh/).
+on the GPU (benchmarks/results/h100_2026-11-23_gqa_route_fast_tanh/fast_tanh/).
 """
 
 from unittest import mock

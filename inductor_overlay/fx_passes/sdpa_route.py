@@ -5,8 +5,8 @@ top-left causal mask over a square score matrix, with -inf or a fill that absorb
 ``finfo.min``), computes exactly ``scaled_dot_product_attention(q, k, v, is_causal=..., scale=s)``. K and V may be
 repeated over the query heads (GQA, MQA: an expand or ``repeat_interleave`` that the graph reads with stride 0);
 SDPA then reads the unrepeated K/V once per group (``enable_gqa=True``). On the H100 (bf16) SDPA's kernels took
-10–23% less time than the overlay's on causal attention and 3–25% less on MQA and causal GQA
-(benchmarks/results/h100_2026-11-23_additive_masks/final_grid_bias/, h100_2026-11-24_sdpa_route/), so under the
+10–23% less time than the overlay's on causal attention, and on MQA and GQA (causal or not) up to 29% less
+(benchmarks/results/h100_2026-11-23_additive_masks/final_grid_bias/, h100_2026-11-23_gqa_route_fast_tanh/), so under the
 SDPA policies that keep upstream's rewrites (``config.sdpa_pattern_policy`` "sdpa" and "unmasked_sdpa") such a
 region goes to SDPA on the devices of ``config.sdpa_route_devices``, as upstream already sends it the plain
 unmasked forms. Any other mask, bias, transform, head dims or dtype stays with the overlay's kernel.
