@@ -247,7 +247,8 @@ def check(p: Program, device: str = "cpu") -> tuple[bool, bool, str]:
         close = torch.allclose(actual.double(), reference, rtol=rtol, atol=atol + 2 * slack, equal_nan=True)
         matches = matches and same_nans and close
         details.append(f"max error {(actual.double() - reference).abs().nan_to_num(0).max().item():.2e} (slack {slack:.1e})")
-    return matches, fused, "; ".join(details) + (" OVERLAY FAULT (fell back)" if faulted else "")
+    as_sdpa = " (as SDPA)" if counters["inductor"]["flashlight_attention_as_sdpa"] else ""
+    return matches, fused, "; ".join(details) + as_sdpa + (" OVERLAY FAULT (fell back)" if faulted else "")
 
 
 def main() -> int:
