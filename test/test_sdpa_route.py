@@ -174,3 +174,16 @@ def test_kv_repeated_over_the_batch_stays_fused():
     assert counters["inductor"]["flashlight_attention_as_sdpa"] == 0
     assert counters["inductor"]["flashlight_attention_fused"] == 1
     testing.assert_close_to_reference(out, reference(causal_kv_shared_by_the_batch, *args))
+
+
+def test_dynamic_shapes_stay_fused():
+    """Symbolic sizes: the route reads no symbolic size or stride (no guards added) and leaves the region fused."""
+    args = [bf16(2, 8, 40, 16), bf16(2, 2, 40, 16), bf16(2, 2, 40, 16)]
+    with testing.cpu_triton(), config.patch(sdpa_pattern_policy="unmasked_sdpa", sdpa_route_devices=("cpu",)):
+        out, code = testing.compile_and_get_code(
+            variants.gqa_repeat_interleave, *args, compile_options={"dynamic": True}
+        )
+    FileCheck().check_not("scaled_dot_product").run("\n".join(code))
+    assert counters["inductor"]["flashlight_attention_as_sdpa"] == 0
+    assert counters["inductor"]["flashlight_attention_fused"] == 1
+    testing.assert_close_to_reference(out, reference(variants.gqa_repeat_interleave, *args))

@@ -98,6 +98,11 @@ def _logical_shape(source: BatchSource) -> tuple:
     return (*shape[:-2], shape[-1], shape[-2]) if source.transposed else shape
 
 
+def _static(value: torch.Tensor) -> bool:
+    """Sizes and strides are plain ints: the checks below then add no guards on symbolic shapes."""
+    return all(isinstance(x, int) for x in (*value.shape, *value.stride()))
+
+
 def _repeated_batch_dims(value: torch.Tensor) -> Optional[int]:
     """How many trailing batch dims of a K or V operand repeat it over the query heads (read with stride 0, or of
     size 1): SDPA's ``enable_gqa`` layout. None when a repeated dim comes before a real one or is a row or column."""
@@ -136,7 +141,7 @@ def takes_repeated_kv(key: torch.fx.Node, value: torch.fx.Node) -> bool:
     values = [_batch_source(node).node.meta.get("val") for node in (key, value)]
     return (
         config.sdpa_pattern_policy in ("sdpa", "unmasked_sdpa")
-        and all(isinstance(v, torch.Tensor) for v in values)
+        and all(isinstance(v, torch.Tensor) and _static(v) for v in values)
         and all(v.device.type in config.sdpa_route_devices and v.dtype in (torch.float16, torch.bfloat16) for v in values)
         and all((_repeated_batch_dims(v) or 0) > 0 for v in values)
     )
@@ -156,14 +161,12 @@ def sdpa_call(region: AttentionRegion) -> Optional[SdpaCall]:
     ):
         return None
     dtypes = {value.dtype for value in values} | {region.probability_dtype}
-    if len(dtypes) != 1 or dtypes - {torch.float16, torch.bfloat16}:
+    if len(dtypes) != 1 or dtypes - {torch.float16, torch.bfloat16} or not all(_static(value) for value in values):
         return None
     layout = _kv_layout(region)
     (*batch, m, d), (*_, d_k, n), (*_, n_v, d_v) = (_logical_shape(source) for source in (region.q, region.kt, region.v))
-    sizes = (*values[0].shape, *values[1].shape, *values[2].shape)
     if not (
         layout is not None
-        and all(isinstance(size, int) for size in sizes)
         and math.prod(batch) == layout[0] * layout[1] * layout[2]
         and n == n_v
         and d == d_k == d_v <= MAX_SDPA_HEAD_DIM
