@@ -103,6 +103,15 @@ def _static(value: torch.Tensor) -> bool:
     return all(isinstance(x, int) for x in (*value.shape, *value.stride()))
 
 
+def _route_takes(values: list) -> bool:
+    """The policy, device, dtype and shape conditions every program the route takes meets (its operands' values)."""
+    return (
+        config.sdpa_pattern_policy in ("sdpa", "unmasked_sdpa")
+        and all(isinstance(v, torch.Tensor) and _static(v) for v in values)
+        and all(v.device.type in config.sdpa_route_devices and v.dtype in (torch.float16, torch.bfloat16) for v in values)
+    )
+
+
 def _repeated_batch_dims(value: torch.Tensor) -> Optional[int]:
     """How many trailing batch dims of a K or V operand repeat it over the query heads (read with stride 0, or of
     size 1): SDPA's ``enable_gqa`` layout. None when a repeated dim comes before a real one or is a row or column."""
@@ -139,29 +148,21 @@ def takes_repeated_kv(key: torch.fx.Node, value: torch.fx.Node) -> bool:
     hands SDPA in place (``enable_gqa``), where upstream's rewrite reads a copy of them, on a device and dtype the
     route takes."""
     values = [_batch_source(node).node.meta.get("val") for node in (key, value)]
-    return (
-        config.sdpa_pattern_policy in ("sdpa", "unmasked_sdpa")
-        and all(isinstance(v, torch.Tensor) and _static(v) for v in values)
-        and all(v.device.type in config.sdpa_route_devices and v.dtype in (torch.float16, torch.bfloat16) for v in values)
-        and all((_repeated_batch_dims(v) or 0) > 0 for v in values)
-    )
+    return _route_takes(values) and all((_repeated_batch_dims(v) or 0) > 0 for v in values)
 
 
 def sdpa_call(region: AttentionRegion) -> Optional[SdpaCall]:
     """How ``region`` runs as SDPA when it is attention SDPA computes exactly and the policy gives it to SDPA."""
     values = [source.node.meta["val"] for source in (region.q, region.kt, region.v)]
     if (
-        config.sdpa_pattern_policy not in ("sdpa", "unmasked_sdpa")
-        or values[0].device.type not in config.sdpa_route_devices
+        not _route_takes(values)
+        or len({value.dtype for value in values} | {region.probability_dtype}) != 1
         or not region.softmax
         or region.sink is not None
         or region.pair is not None
         or region.captured
         or region.captured_sizes
     ):
-        return None
-    dtypes = {value.dtype for value in values} | {region.probability_dtype}
-    if len(dtypes) != 1 or dtypes - {torch.float16, torch.bfloat16} or not all(_static(value) for value in values):
         return None
     layout = _kv_layout(region)
     (*batch, m, d), (*_, d_k, n), (*_, n_v, d_v) = (_logical_shape(source) for source in (region.q, region.kt, region.v))
