@@ -30,6 +30,26 @@ def diff_attention(q, k, v, lam):
     return (weights[:, :, 0] - lam * weights[:, :, 1]) @ v
 
 
+def diff_attention_two_matmuls(q, k, v, lam):
+    """The same, written as the issue states it: ``A0·V − λ·A1·V``, two output matmuls sharing V."""
+    b, two_h, m, d = q.shape
+    weights = torch.softmax(q @ k.transpose(-1, -2) * d**-0.5, dim=-1)
+    weights = weights.view(b, two_h // 2, 2, m, k.shape[-2])
+    return weights[:, :, 0] @ v - lam * (weights[:, :, 1] @ v)
+
+
+def diff_transformer_causal(q, k, v, lam):
+    """The DIFF Transformer reference code's form (causal LM): queries scaled before the matmul, ``nan_to_num`` on
+    the scores, a ``triu`` mask of -inf built in the forward and added, a float32 softmax cast back."""
+    b, two_h, m, d = q.shape
+    n = k.shape[-2]
+    scores = torch.nan_to_num(torch.matmul(q * d**-0.5, k.transpose(-1, -2)))
+    future = torch.triu(torch.zeros([m, n], device=q.device).float().fill_(float("-inf")).type_as(scores), 1)
+    weights = torch.softmax(scores + future, dim=-1, dtype=torch.float32).type_as(scores)
+    weights = weights.view(b, two_h // 2, 2, m, n)
+    return torch.matmul(weights[:, :, 0] - lam * weights[:, :, 1], v)
+
+
 def diff_inputs(B=2, H=4, S=40, D=16, device="cpu", dtype=torch.float32, generator=None):
     """H counts query/key heads (2h); V has h = H/2 heads of width 2D."""
     rand = _rand(generator, device, dtype)
@@ -40,6 +60,10 @@ def diff_inputs(B=2, H=4, S=40, D=16, device="cpu", dtype=torch.float32, generat
 def diff_flops(B, H, S, D, **_):
     # Both softmaxes: QKᵀ over H heads of width D, then each of the two P·V products over h = H/2 heads of width 2D.
     return 2.0 * B * H * S * S * D + 2 * 2.0 * B * (H // 2) * S * S * (2 * D)
+
+
+def diff_causal_flops(B, H, S, D, **_):
+    return diff_flops(B, H, S, D) / 2
 
 
 # ---------------------------------------------------------------- Evoformer row-wise gated self-attention
@@ -195,6 +219,10 @@ class Program:
     gpu_sizes: tuple = ()  # sizes the GPU benchmark runs
 
 
+# The issue's DiffAttn grid: H32 D64 and H16 D128, sequences 512 to 16k, B·S = 16k.
+_DIFF_SIZES = tuple(dict(B=max(1, 16384 // s), H=h, S=s, D=d)
+                    for h, d in ((32, 64), (16, 128)) for s in (512, 1024, 2048, 4096, 8192, 16384))
+
 PROGRAMS = {
     p.name: p
     for p in [
@@ -202,9 +230,11 @@ PROGRAMS = {
         # the second kernel is one small pointwise kernel building the coefficients (1, -λ). With
         # config.combine_head_groups_in_kernel off, a pointwise kernel over the per-head outputs subtracts instead.
         Program("diff_attention", diff_attention, diff_inputs, diff_flops, kernels=2, dots=2,
-                cpu_size=dict(B=2, H=4, S=37, D=16),
-                gpu_sizes=tuple(dict(B=max(1, 16384 // s), H=h, S=s, D=d)
-                                for h, d in ((32, 64), (16, 128)) for s in (512, 1024, 2048, 4096, 8192, 16384))),
+                cpu_size=dict(B=2, H=4, S=37, D=16), gpu_sizes=_DIFF_SIZES),
+        Program("diff_attention_two_matmuls", diff_attention_two_matmuls, diff_inputs, diff_flops, kernels=2, dots=2,
+                cpu_size=dict(B=2, H=4, S=37, D=16), gpu_sizes=_DIFF_SIZES),
+        Program("diff_transformer_causal", diff_transformer_causal, diff_inputs, diff_causal_flops, kernels=2, dots=2,
+                cpu_size=dict(B=2, H=4, S=37, D=16), gpu_sizes=_DIFF_SIZES),
         Program("evoformer_row_attention", evoformer_row_attention, evoformer_inputs, evoformer_flops, kernels=1,
                 dots=2, cpu_size=dict(B=1, N_seq=3, S=21, H=2, D=16),
                 gpu_sizes=(dict(B=1, N_seq=256, S=256, H=4, D=64), dict(B=1, N_seq=256, S=256, H=4, D=128))),

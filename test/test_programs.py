@@ -86,6 +86,55 @@ def test_diff_attention_combines_the_head_pair_in_one_kernel():
     assert allocated[-2:] == [out.numel(), out.numel()] and sum(allocated[:-2]) <= 4, allocated
 
 
+def test_diff_attention_written_with_two_matmuls_combines_in_one_kernel():
+    """``A0 @ V − λ·(A1 @ V)``: the two output matmuls share V and λ is constant along Dv, so they factor into
+    ``(A0 − λ·A1) @ V``, which distributes over the head pair as above: one attention kernel runs both heads (V read
+    once per program), no per-head output buffer."""
+    program = programs.PROGRAMS["diff_attention_two_matmuls"]
+    inputs = program.inputs(**program.cpu_size)
+    out, code = compile_on_cpu(program.fn, inputs, combine_head_groups_in_kernel=True)
+    testing.assert_close_to_reference(out, program.fn(**float64(inputs)))
+    testing.check_kernels(code, kernels=2, extern_calls=0)
+    assert counters["inductor"]["flashlight_attention_fused"] == 1
+    FileCheck().check("for group in tl.static_range(GROUPS)").check("acc = tl.dot(p, v, acc * alpha").check(
+        "acc = tl.load(COEF").check("acc += tl.load(partial_tile").run(fused_kernel(code))
+    allocated = sorted(testing.allocated_buffer_numels(code))
+    assert allocated[-2:] == [out.numel(), out.numel()] and sum(allocated[:-2]) <= 4, allocated
+
+
+def diff_attention_two_values(q, k, v, lam):
+    weights = torch.softmax(q @ k.transpose(-1, -2), dim=-1).view(q.shape[0], -1, 2, q.shape[-2], k.shape[-2])
+    return weights[:, :, 0] @ v - lam * (weights[:, :, 1] @ (2 * v))
+
+
+def diff_attention_lambda_along_dv(q, k, v, lam):
+    weights = torch.softmax(q @ k.transpose(-1, -2), dim=-1).view(q.shape[0], -1, 2, q.shape[-2], k.shape[-2])
+    return weights[:, :, 0] @ v - lam * (weights[:, :, 1] @ v)
+
+
+@pytest.mark.parametrize("program, lam_shape", [(diff_attention_two_values, ()), (diff_attention_lambda_along_dv, (16,))])
+def test_matmuls_that_do_not_factor_are_left_to_upstream(program, lam_shape):
+    """Different right operands, or a coefficient that varies along Dv (``c_e·(A V)[:, e]`` is not ``(c·A) V``):
+    no factoring, so the shared softmax cannot fuse into either matmul; upstream's path, same result."""
+    inputs = programs.diff_inputs(B=1, H=4, S=19, D=8)
+    inputs["lam"] = torch.rand(lam_shape)
+    out, code = compile_on_cpu(program, inputs)
+    testing.assert_close_to_reference(out, program(**float64(inputs)))
+    assert counters["inductor"]["flashlight_attention_fused"] == 0
+    assert not any("for start_n in range(" in k for k in testing.triton_kernels(code).values())
+
+
+def test_diff_transformer_code_skips_the_future_tiles():
+    """The reference code's ``triu`` of -inf is built in the forward from positions: the kernel scans for the last
+    visible column tile (causal skipping) and applies ``nan_to_num`` and the mask inside the N loop."""
+    program = programs.PROGRAMS["diff_transformer_causal"]
+    inputs = program.inputs(B=1, H=2, S=300, D=16)
+    out, code = compile_on_cpu(program.fn, inputs)
+    testing.assert_close_to_reference(out, program.fn(**float64(inputs)))
+    FileCheck().check("for scan_n in range(").check("for start_n in range(first_n, end_n").check(
+        "libdevice.isnan").check("acc = tl.dot(p, v").run(fused_kernel(code))
+
+
 def diff_attention_per_head_lambda(q, k, v, lam):
     b, two_h, m, d = q.shape
     weights = torch.softmax(q @ k.transpose(-1, -2) * d**-0.5, dim=-1).view(b, two_h // 2, 2, m, k.shape[-2])
@@ -213,7 +262,8 @@ def test_evoformer_block_fuses_row_and_column_attention():
 
 
 @pytest.mark.parametrize("name", ["attention_sinks", "attention_sinks_max_subtracted", "diff_attention",
-                                  "sigmoid_attention", "chained_matmul", "ipa_attention"])
+                                  "diff_attention_two_matmuls", "diff_transformer_causal", "sigmoid_attention",
+                                  "chained_matmul", "ipa_attention"])
 def test_program_fuses_in_bfloat16(name):
     """16-bit inputs put upcasts into the graph (a bf16 softmax computes in float32): the programs still fuse."""
     program = programs.PROGRAMS[name]

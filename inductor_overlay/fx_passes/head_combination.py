@@ -24,6 +24,7 @@ from torch.fx.node import map_arg
 from inductor_overlay import config
 from inductor_overlay.fx_passes.attention_fusion import (
     _MATMULS,
+    _VIEWS,
     call_op,
     Decline,
     _batch_source,
@@ -44,23 +45,25 @@ _SCALING = (aten.mul.Tensor, aten.div.Tensor)
 
 
 class _Combination:
-    """``Σ_j c_j · select(W, dim, j)`` found in a graph: the selects, the ops combining them (graph order)."""
+    """``Σ_j c_j · select(W, dim, j)`` found in a graph: the terms (selects), the ops combining them (graph order)."""
 
-    def __init__(self) -> None:
+    def __init__(self, dead: frozenset = frozenset()) -> None:
+        self.dead = dead  # users that a rewrite in progress is about to remove
         self.heads: Optional[torch.fx.Node] = None  # W, the probabilities viewed with the head dim split
         self.dim: Optional[int] = None
-        self.selects: list[torch.fx.Node] = []
+        self.terms: list[torch.fx.Node] = []
         self.ops: list[torch.fx.Node] = []
         self.coefficients: list[torch.fx.Node] = []
 
-    def replay(self, build: "_Builder", head_values: dict) -> torch.fx.Node:
-        """The combination again, with each head slice replaced by ``head_values[select]``."""
-        env = dict(head_values)
+    def replay(self, build: "_Builder", term_values: dict) -> torch.fx.Node:
+        """The combination again, with each term replaced by ``term_values[term]``."""
+        env = dict(term_values)
         for op in self.ops:
             env[op] = build.call(op.target, *map_arg(op.args, lambda a: env.get(a, a)), **op.kwargs)
         return env[self.ops[-1]]
 
-    def _is_head_slice(self, node: torch.fx.Node) -> bool:
+    def _is_term(self, node: torch.fx.Node) -> bool:
+        """A head slice ``select(W, dim, j)``, all of one W and one dim, outside its last two dims."""
         if not (_is(node, aten.select.int) and isinstance(node.args[0], torch.fx.Node)):
             return False
         heads, dim = node.args[0], node.args[1] % _val(node.args[0]).dim()
@@ -82,11 +85,13 @@ class _Combination:
         return not any(depends_on(c, self.heads, {}) for c in self.coefficients)
 
     def match(self, node: torch.fx.Node, shape: tuple, top: bool = True) -> bool:
-        """Whether ``node`` is a linear combination of head slices, each op used once and keeping ``shape``."""
-        if _val(node) is None or tuple(_val(node).shape) != shape or (not top and len(node.users) != 1):
+        """Whether ``node`` is a linear combination of terms, each op used once and keeping ``shape``."""
+        if _val(node) is None or tuple(_val(node).shape) != shape:
             return False
-        if self._is_head_slice(node):
-            self.selects.append(node)
+        if not top and len([u for u in node.users if u not in self.dead]) != 1:
+            return False
+        if self._is_term(node):
+            self.terms.append(node)
             return True
         alpha = node.kwargs.get("alpha", 1)
         if _is(node, _COMBINING) and alpha == 1 and all(isinstance(a, torch.fx.Node) for a in node.args[:2]):
@@ -105,6 +110,42 @@ class _Combination:
         if matched:
             self.ops.append(node)
         return matched
+
+
+class _MatmulCombination(_Combination):
+    """``Σ_j c_j · (X_j @ V)``: the terms are matmul outputs (through order-keeping views), all of the same right
+    operand ``V``. Each coefficient is constant along the output's last dim (Dv), so ``c_j·(X_j V) = (c_j·X_j) V``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.matmuls: dict[torch.fx.Node, torch.fx.Node] = {}  # term -> its matmul
+        self.views: list[torch.fx.Node] = []  # between each term and its matmul, and on each left operand
+
+    def _is_term(self, node: torch.fx.Node) -> bool:
+        matmul, views = _strip_order_preserving(node)
+        if not (_is(matmul, _MATMULS) and all(len(n.users) == 1 for n in (matmul, *views[1:]))):
+            return False
+        first = next(iter(self.matmuls.values()), matmul)
+        same_form = matmul.target == first.target and _val(matmul.args[0]).shape == _val(first.args[0]).shape
+        if not (same_form and _same_value(matmul.args[1], first.args[1])):
+            return False
+        self.matmuls[node] = matmul
+        self.views += [*views, *_strip_order_preserving(matmul.args[0])[1]]
+        return True
+
+    def left_operands(self) -> dict[torch.fx.Node, torch.fx.Node]:
+        """Each term's left operand as the user wrote it (``[.., M, N]``, before the matmul's batch flattening)."""
+        return {term: _strip_order_preserving(matmul.args[0])[0] for term, matmul in self.matmuls.items()}
+
+
+def _same_value(a: Any, b: Any) -> bool:
+    """Whether two operands are the same node, or the same views (equal arguments) of the same node."""
+    while a is not b:
+        if not (_is(a, _VIEWS) and _is(b, _VIEWS) and a.target == b.target and a.args[1:] == b.args[1:]
+                and a.kwargs == b.kwargs):
+            return False
+        a, b = a.args[0], b.args[0]
+    return True
 
 
 class _Builder:
@@ -135,25 +176,26 @@ def _coefficient_vector(build: _Builder, found: _Combination, groups: int) -> to
     for head in range(groups):
         units = {
             s: build.call(aten.full.default, [], float(s.args[2] % groups == head), dtype=torch.float32, device=device)
-            for s in found.selects
+            for s in found.terms
         }
         coefficient = build.call(torch.ops.prims.convert_element_type.default, found.replay(build, units), torch.float32)
         vector = build.call(aten.where.self, build.call(aten.eq.Scalar, head_index, head), coefficient, vector)
     return vector
 
 
-def distribute_over_heads(pv: torch.fx.Node) -> Optional[Decline]:
-    """Rewrite ``combination(W) @ V`` as ``combination(W @ expand(V))`` when the new matmul fuses."""
+def distribute_over_heads(pv: torch.fx.Node, dead: frozenset = frozenset()) -> Optional[Decline]:
+    """Rewrite ``combination(W) @ V`` as ``combination(W @ expand(V))`` when the new matmul fuses. Users in
+    ``dead`` are about to be removed by the caller's rewrite."""
     if not _is(pv, _MATMULS):
         return Decline("not a matmul")
     combined, views = _strip_order_preserving(pv.args[0])
-    found = _Combination()
-    if not (found.match(combined, tuple(_val(combined).shape)) and len(found.selects) >= 2
+    found = _Combination(dead)
+    if not (found.match(combined, tuple(_val(combined).shape)) and len(found.terms) >= 2
             and found.coefficients_independent()):
         return Decline("the matmul's left operand is not a combination of head slices")
     heads, dim = found.heads, found.dim
     head_shape = tuple(_val(heads).shape)
-    if sorted(s.args[2] % head_shape[dim] for s in found.selects) != list(range(head_shape[dim])):
+    if sorted(s.args[2] % head_shape[dim] for s in found.terms) != list(range(head_shape[dim])):
         return Decline("the combination does not use every head of the split dim exactly once")
 
     build = _Builder(pv)
@@ -175,7 +217,7 @@ def distribute_over_heads(pv: torch.fx.Node) -> Optional[Decline]:
     shared = build.call(aten.expand.default, build.call(aten.unsqueeze.default, values, dim), [*batch, n, dv])
     flat_heads = build.call(aten.reshape.default, heads, [-1, m, n])
     out = build.call(aten.bmm.default, flat_heads, build.call(aten.reshape.default, shared, [-1, n, dv]))
-    region = find_attention(out, dead=frozenset([*found.selects, *found.ops, *views, pv]))
+    region = find_attention(out, dead=frozenset([*found.terms, *found.ops, *views, pv, *dead]))
     if not isinstance(region, Decline) and region.pair is not None:
         region = Decline("the combined heads' probabilities are also reduced against a per-pair tensor")
     if isinstance(region, Decline):
@@ -190,9 +232,34 @@ def distribute_over_heads(pv: torch.fx.Node) -> Optional[Decline]:
         return None
 
     per_head = build.call(aten.reshape.default, out, [*batch, m, dv])
-    selected = {s: build.call(aten.select.int, per_head, dim, s.args[2]) for s in found.selects}
+    selected = {s: build.call(aten.select.int, per_head, dim, s.args[2]) for s in found.terms}
     result = build.call(aten.reshape.default, found.replay(build, selected), list(_val(pv).shape))
     pv.replace_all_uses_with(result)
+    return None
+
+
+def factor_shared_right_operand(root: torch.fx.Node) -> Optional[Decline]:
+    """Rewrite ``Σ_j c_j·(X_j @ V)`` (DIFF Transformer written ``A0 @ V − λ·(A1 @ V)``) as ``(Σ_j c_j·X_j) @ V``
+    and distribute that over the heads, keeping the rewrite only when the distributed matmul fuses."""
+    found = _MatmulCombination()
+    if not (_val(root) is not None and found.match(root, tuple(_val(root).shape)) and len(found.terms) >= 2):
+        return Decline("not a combination of matmuls sharing their right operand")
+    lefts = found.left_operands()
+    out_rows = tuple(_val(root).shape[:-1])
+    if any(_val(x) is None or tuple(_val(x).shape[:-1]) != out_rows for x in lefts.values()):
+        return Decline("a left operand is broadcast by its matmul")
+    build = _Builder(root)
+    first = next(iter(found.matmuls.values()))
+    combined = found.replay(build, lefts)
+    flat = build.call(aten.reshape.default, combined, list(_val(first.args[0]).shape))
+    pv = build.call(first.target, flat, first.args[1])
+    out = build.call(aten.reshape.default, pv, list(_val(root).shape))
+    replaced = frozenset([*found.ops, *found.terms, *found.views, *found.matmuls.values()])
+    outcome = distribute_over_heads(pv, dead=replaced)
+    if outcome is not None:
+        build.take_back()
+        return outcome
+    root.replace_all_uses_with(out)
     return None
 
 
@@ -201,6 +268,11 @@ def distribute_matmul_over_head_combinations(graph: torch.fx.Graph) -> None:
     if not config.attention_fusion:
         return
     changed = False
+    for root in reversed([n for n in graph.nodes if _is(n, (*_COMBINING, *_SCALING, aten.neg.default))]):
+        if root.users and factor_shared_right_operand(root) is None:
+            changed = True
+            log.info("matmuls sharing %s factored and distributed over a combination of heads", root.name)
+            graph.eliminate_dead_code()
     # mm too: on a GPU, upstream's joint-graph pass turns a bmm of batch 1 into an mm of the squeezed operands.
     for pv in [n for n in graph.nodes if _is(n, _MATMULS)]:
         outcome = distribute_over_heads(pv)
