@@ -1,5 +1,7 @@
 """Block skipping derived from the user's position mask: the analysis, the generated test, and exact results."""
 
+import math
+
 import pytest
 import sympy
 import torch
@@ -191,17 +193,42 @@ def test_row_tiles_launch_last_first(last_rows_first):
     testing.assert_close_to_reference(out, expected)
 
 
-def test_entirely_visible_tiles_run_the_chain_without_its_mask():
+@pytest.mark.parametrize("idiom", ["masked_fill", "triu_additive"])
+def test_entirely_visible_tiles_run_the_chain_without_its_mask(idiom):
     """The loop over tiles the causal mask leaves entirely visible has no mask math; the loops over the tiles it
-    cuts through keep the user's where(..., -inf, ...). Same result as eager, NaN rows included."""
+    cuts through keep the user's where(..., -inf, ...). An additive ``triu(full(-inf), 1)`` bias is 0 there, so its
+    add goes too, and like a masked_fill it lets the 1/√d scale fold into the exp2 factor (no multiply per logit).
+    Same result as eager, NaN rows included."""
+    fn = variants.CAUSAL.idioms[idiom]
     q, k, v = (torch.randn(1, 2, 70, 16) for _ in range(3))
     with testing.cpu_triton():
-        out, code = testing.compile_and_get_code(variants.causal_masked_fill, q, k, v)
+        out, code = testing.compile_and_get_code(fn, q, k, v)
     kernel = "\n".join(testing.triton_kernels(code).values())
     assert testing.column_tile_loops(kernel) == 2
     visible, partial = testing.split_loop_chains(kernel)
     assert "tl.where(" in partial and "tl.where(" not in visible
-    testing.assert_close_to_reference(out, variants.causal_masked_fill(q.double(), k.double(), v.double()))
+    assert " + " not in visible and " * " not in visible and " * " not in partial, (visible, partial)
+    FileCheck().check(f"LOGIT_SCALE : tl.constexpr = {math.log2(math.e) / 4}").run(kernel)
+    testing.assert_close_to_reference(out, fn(q.double(), k.double(), v.double()))
+
+
+def causal_bias_of_one_half(q, k, v):
+    rows, cols = torch.arange(q.shape[-2])[:, None], torch.arange(k.shape[-2])[None, :]
+    bias = torch.where(cols > rows, float("-inf"), 0.5)
+    return torch.softmax(q @ k.transpose(-2, -1) * 0.5 + bias, dim=-1) @ v
+
+
+def test_a_bias_that_is_not_zero_where_visible_keeps_its_add_and_scale():
+    """``where(cond, -inf, 0.5)`` still skips masked tiles, but adds 0.5 where visible: the add stays in every
+    tile's chain and the scale is not folded through it (c·x + 0.5 ≠ c·(x + 0.5))."""
+    q, k, v = (torch.randn(1, 2, 70, 16) for _ in range(3))
+    with testing.cpu_triton():
+        out, code = testing.compile_and_get_code(causal_bias_of_one_half, q, k, v)
+    kernel = "\n".join(testing.triton_kernels(code).values())
+    FileCheck().check(f"LOGIT_SCALE : tl.constexpr = {math.log2(math.e)}").check("for scan_n in range(").run(kernel)
+    for chain in testing.split_loop_chains(kernel) if testing.column_tile_loops(kernel) == 2 else [kernel]:
+        FileCheck().check(" * ").check(" + ").run(chain)
+    testing.assert_close_to_reference(out, causal_bias_of_one_half(q.double(), k.double(), v.double()))
 
 
 @pytest.mark.parametrize("head_dim, max_head_dim, loops", [(128, 128, 2), (128, 64, 1), (256, 128, 1)])

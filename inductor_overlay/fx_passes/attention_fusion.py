@@ -58,6 +58,7 @@ from inductor_overlay.fx_passes.block_sparsity import (
     IdMask,
     TensorMask,
     absorbing_fill_masks,
+    constant_value,
     depends_on,
     fill_is_true_branch,
     fully_masked_tile_code,
@@ -627,6 +628,7 @@ def _score_chain_module(region: AttentionRegion, unmasked: frozenset = frozenset
     nodes in ``unmasked`` pass ``x`` through (for tiles where ``cond`` is false everywhere), and an additive mask's
     add there passes the scores through (for tiles where its bias is 0)."""
     graph, env = _chain_inputs(region)
+    zeros: set[torch.fx.Node] = set()  # chain nodes that are 0 on these tiles: a bias ``where(cond, -inf, 0)``
     for node in region.chain:
         if node in unmasked and node.target is aten.add.Tensor:  # an additive mask: its bias is 0 on these tiles
             env[node] = env[next(arg for arg in node.args if depends_on(arg, region.score_root, {}))]
@@ -637,7 +639,16 @@ def _score_chain_module(region: AttentionRegion, unmasked: frozenset = frozenset
             env[node] = env[kept] if isinstance(kept, torch.fx.Node) else graph.call_function(
                 aten.full_like.default, (env[region.score_root], kept)
             )
+            if constant_value(kept) == 0.0:
+                zeros.add(node)
             continue
+        addend = _added_to_zero(node, zeros)
+        if addend is not None:  # x + 0 on these tiles: x, in the sum's dtype
+            same_dtype = _val(addend).dtype == _val(node).dtype
+            env[node] = env[addend] if same_dtype else _converted(graph, env[addend], _val(node).dtype)
+            continue
+        if _is(node, prims.convert_element_type.default) and node.args[0] in zeros:
+            zeros.add(node)
         env[node] = graph.node_copy(node, lambda arg: env[arg])
     logits = env[region.logits]
     if region.logit_scale != 1.0:
@@ -645,6 +656,20 @@ def _score_chain_module(region: AttentionRegion, unmasked: frozenset = frozenset
     graph.output(logits)
     graph.eliminate_dead_code()  # the bypassed masks' conditions
     return torch.fx.GraphModule(torch.nn.Module(), graph)
+
+
+def _added_to_zero(node: torch.fx.Node, zeros: set) -> Optional[torch.fx.Node]:
+    """``x`` when ``node`` is ``x + z`` with ``z`` in ``zeros`` and of ``x``'s shape (the sum is ``x``)."""
+    if not (_is(node, aten.add.Tensor) and node.kwargs.get("alpha", 1) == 1 and len(node.args) == 2):
+        return None
+    for zero, kept in (node.args, node.args[::-1]):
+        if zero in zeros and _val(kept) is not None and _val(kept).shape == _val(node).shape:
+            return kept
+    return None
+
+
+def _converted(graph: torch.fx.Graph, node: torch.fx.Node, dtype: torch.dtype) -> torch.fx.Node:
+    return graph.call_function(prims.convert_element_type.default, (node, dtype))
 
 
 def _summarised_id_mask(region: AttentionRegion) -> Optional[IdMask]:

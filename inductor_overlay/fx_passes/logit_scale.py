@@ -11,6 +11,7 @@ exactly 0 wherever eager's did.
 
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
@@ -37,9 +38,13 @@ def _scale_step(node: torch.fx.Node, scaled: dict) -> Optional[tuple[torch.fx.No
 def _passes_scale_through(node: torch.fx.Node, scaled: dict, fills: Optional[list]) -> bool:
     """Nodes that commute with a positive factor: floating dtype conversions, and ``where`` choosing between the
     scaled value and -inf (a mask whose condition does not read the scores), or a finite constant when ``fills``
-    collects them (the caller bounds them once the factor is known)."""
+    collects them (the caller bounds them once the factor is known); and adding a bias that is 0 or -inf."""
     if node.target is prims.convert_element_type.default:
         return node.args[0] in scaled and node.args[1].is_floating_point
+    if node.target is aten.add.Tensor:
+        return node.kwargs.get("alpha", 1) == 1 and sum(arg in scaled for arg in node.args) == 1 and any(
+            _zero_or_minus_inf(arg) for arg in node.args
+        )
     if node.target is not aten.where.self:
         return False
     condition, if_true, if_false = node.args
@@ -53,6 +58,16 @@ def _passes_scale_through(node: torch.fx.Node, scaled: dict, fills: Optional[lis
         return False
     fills.append(value)
     return True
+
+
+def _zero_or_minus_inf(node: object) -> bool:
+    """A bias ``where(cond, -inf, 0)`` (in any float dtype): ``c·x + b = c·(x + b)`` for every c > 0."""
+    while isinstance(node, torch.fx.Node) and node.target is prims.convert_element_type.default:
+        node = node.args[0]
+    if not (isinstance(node, torch.fx.Node) and node.target is aten.where.self):
+        return False
+    branches = {constant_value(node.args[1]), constant_value(node.args[2])}
+    return branches == {0.0, -math.inf}
 
 
 def fold_constant_scale(
