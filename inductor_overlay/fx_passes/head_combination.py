@@ -10,6 +10,10 @@ split dim is the innermost head dim, that kernel also does the combination (``co
 each program runs the heads of one group in turn and adds their normalised outputs, weighted, into one output
 tile (one kernel, and the per-head outputs never reach memory). The rewrite is kept only when the new matmul fuses
 (``find_attention`` accepts it); otherwise the graph is left as it was.
+
+Written the other way round, ``A0 @ V − λ·(A1 @ V)``, neither output matmul can own the softmax both read. The
+matmuls share V and each coefficient is constant along Dv, so they factor into ``(A0 − λ·A1) @ V`` first
+(``factor_shared_right_operand``), which then distributes as above; again kept only when the attention fuses.
 """
 
 from __future__ import annotations
