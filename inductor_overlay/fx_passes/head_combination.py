@@ -127,14 +127,17 @@ class _MatmulCombination(_Combination):
 
     def _is_term(self, node: torch.fx.Node) -> bool:
         matmul, views = _strip_order_preserving(node)
-        if not (_is(matmul, _MATMULS) and all(len(n.users) == 1 for n in (matmul, *views[1:]))):
+        if not _is(matmul, _MATMULS):
+            return False
+        left_views = _strip_order_preserving(matmul.args[0])[1]
+        if not all(len(n.users) == 1 for n in (matmul, *views[1:], *left_views)):
             return False
         first = next(iter(self.matmuls.values()), matmul)
         same_form = matmul.target == first.target and _val(matmul.args[0]).shape == _val(first.args[0]).shape
         if not (same_form and _same_value(matmul.args[1], first.args[1])):
             return False
         self.matmuls[node] = matmul
-        self.views += [*views, *_strip_order_preserving(matmul.args[0])[1]]
+        self.views += [*views, *left_views]
         return True
 
     def left_operands(self) -> dict[torch.fx.Node, torch.fx.Node]:
