@@ -631,7 +631,14 @@ def _score_chain_module(region: AttentionRegion, unmasked: frozenset = frozenset
     zeros: set[torch.fx.Node] = set()  # chain nodes that are 0 on these tiles: a bias ``where(cond, -inf, 0)``
     for node in region.chain:
         if node in unmasked and node.target is aten.add.Tensor:  # an additive mask: its bias is 0 on these tiles
-            env[node] = env[next(arg for arg in node.args if depends_on(arg, region.score_root, {}))]
+            addend = next(arg for arg in node.args if depends_on(arg, region.score_root, {}))
+        else:  # x + a dropped position mask's 0
+            addend = _added_to_zero(node, zeros)
+        if addend is not None:  # the sum is x, in the sum's dtype
+            same_dtype = _val(addend).dtype == _val(node).dtype
+            env[node] = env[addend] if same_dtype else graph.call_function(
+                prims.convert_element_type.default, (env[addend], _val(node).dtype)
+            )
             continue
         if node in unmasked:
             condition, if_true, if_false = node.args
@@ -641,11 +648,6 @@ def _score_chain_module(region: AttentionRegion, unmasked: frozenset = frozenset
             )
             if constant_value(kept) == 0.0:
                 zeros.add(node)
-            continue
-        addend = _added_to_zero(node, zeros)
-        if addend is not None:  # x + 0 on these tiles: x, in the sum's dtype
-            same_dtype = _val(addend).dtype == _val(node).dtype
-            env[node] = env[addend] if same_dtype else _converted(graph, env[addend], _val(node).dtype)
             continue
         if _is(node, prims.convert_element_type.default) and node.args[0] in zeros:
             zeros.add(node)
@@ -666,10 +668,6 @@ def _added_to_zero(node: torch.fx.Node, zeros: set) -> Optional[torch.fx.Node]:
         if zero in zeros and _val(kept) is not None and _val(kept).shape == _val(node).shape:
             return kept
     return None
-
-
-def _converted(graph: torch.fx.Graph, node: torch.fx.Node, dtype: torch.dtype) -> torch.fx.Node:
-    return graph.call_function(prims.convert_element_type.default, (node, dtype))
 
 
 def _summarised_id_mask(region: AttentionRegion) -> Optional[IdMask]:

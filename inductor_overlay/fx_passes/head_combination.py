@@ -123,26 +123,24 @@ class _MatmulCombination(_Combination):
     def __init__(self) -> None:
         super().__init__()
         self.matmuls: dict[torch.fx.Node, torch.fx.Node] = {}  # term -> its matmul
+        # term -> its left operand as the user wrote it ([.., M, N], before the matmul's batch flattening)
+        self.lefts: dict[torch.fx.Node, torch.fx.Node] = {}
         self.views: list[torch.fx.Node] = []  # between each term and its matmul, and on each left operand
 
     def _is_term(self, node: torch.fx.Node) -> bool:
         matmul, views = _strip_order_preserving(node)
         if not _is(matmul, _MATMULS):
             return False
-        left_views = _strip_order_preserving(matmul.args[0])[1]
+        left, left_views = _strip_order_preserving(matmul.args[0])
         if not all(len(n.users) == 1 for n in (matmul, *views[1:], *left_views)):
             return False
         first = next(iter(self.matmuls.values()), matmul)
         same_form = matmul.target == first.target and _val(matmul.args[0]).shape == _val(first.args[0]).shape
         if not (same_form and _same_value(matmul.args[1], first.args[1])):
             return False
-        self.matmuls[node] = matmul
+        self.matmuls[node], self.lefts[node] = matmul, left
         self.views += [*views, *left_views]
         return True
-
-    def left_operands(self) -> dict[torch.fx.Node, torch.fx.Node]:
-        """Each term's left operand as the user wrote it (``[.., M, N]``, before the matmul's batch flattening)."""
-        return {term: _strip_order_preserving(matmul.args[0])[0] for term, matmul in self.matmuls.items()}
 
 
 def _same_value(a: Any, b: Any) -> bool:
@@ -251,13 +249,12 @@ def factor_shared_right_operand(root: torch.fx.Node) -> Optional[Decline]:
     found = _MatmulCombination()
     if not (_val(root) is not None and found.match(root, tuple(_val(root).shape)) and len(found.terms) >= 2):
         return Decline("not a combination of matmuls sharing their right operand")
-    lefts = found.left_operands()
     out_rows = tuple(_val(root).shape[:-1])
-    if any(_val(x) is None or tuple(_val(x).shape[:-1]) != out_rows for x in lefts.values()):
+    if any(_val(x) is None or tuple(_val(x).shape[:-1]) != out_rows for x in found.lefts.values()):
         return Decline("a left operand is broadcast by its matmul")
     build = _Builder(root)
     first = next(iter(found.matmuls.values()))
-    combined = found.replay(build, lefts)
+    combined = found.replay(build, found.lefts)
     flat = build.call(aten.reshape.default, combined, list(_val(first.args[0]).shape))
     pv = build.call(first.target, flat, first.args[1])
     out = build.call(aten.reshape.default, pv, list(_val(root).shape))
