@@ -59,6 +59,10 @@ pair_reduction_max_channels: int = 64
 # factor: one fma per logit scales it and subtracts the row max (fx_passes/logit_scale.py).
 fold_logit_scale: bool = os.environ.get("FLASHLIGHT_FOLD_LOGIT_SCALE", "1") != "0"
 
+# A chain that guards its scores against NaN and infinity (``nan_to_num``) runs without the guards, and a row tile
+# whose softmax state shows a NaN or an infinity runs again with them (fx_passes/finite_speculation.py).
+speculate_finite_scores: bool = os.environ.get("FLASHLIGHT_SPECULATE_FINITE_SCORES", "1") != "0"
+
 # Row tiles are launched last first: under a causal mask (or any mask whose visible columns grow with the row)
 # the longest programs start first and the short ones fill the tail, as FlashAttention schedules them.
 last_rows_first: bool = os.environ.get("FLASHLIGHT_LAST_ROWS_FIRST", "1") != "0"

@@ -59,6 +59,11 @@ class ScoreChain:
     # The size of the leading batch dim when every score-sized tensor the chain reads is shared along it (a per-head
     # bias [H, M, N] under [B, H, M, N] scores): the kernel launches that dim fastest, 0 otherwise.
     batch_fastest: int = 0
+    # The whole chain, when ``graph_module`` (and ``unmasked_graph_module``) run without its finite guards
+    # (``fx_passes/finite_speculation.py``): a row tile whose check fails runs again with it. Its folded scale.
+    exact_graph_module: Optional[torch.fx.GraphModule] = None
+    exact_folded_scale: float = 1.0
+    speculation_bound: float = math.inf  # the fast chain's result is exact where |row max| stays below this
 
 
 SCORE_CHAINS: dict[int, ScoreChain] = {}

@@ -69,6 +69,7 @@ from inductor_overlay.fx_passes.block_sparsity import (
     position_masks,
 )
 from inductor_overlay.fx_passes.block_sparsity import is_op as _is
+from inductor_overlay.fx_passes.finite_speculation import guard_only_nodes, speculation_bound
 from inductor_overlay.fx_passes.logit_scale import fold_constant_scale
 from inductor_overlay.kernel.online_softmax_attention import MAX_HEAD_DIM
 from inductor_overlay.ops import MaskSummary, ScoreChain, register_mask_summary, register_score_chain
@@ -623,13 +624,19 @@ def _chain_inputs(region: AttentionRegion) -> tuple[torch.fx.Graph, dict]:
     return graph, env
 
 
-def _score_chain_module(region: AttentionRegion, unmasked: frozenset = frozenset()) -> torch.fx.GraphModule:
+def _score_chain_module(
+    region: AttentionRegion, unmasked: frozenset = frozenset(), guards: Optional[dict] = None
+) -> torch.fx.GraphModule:
     """The chain from scores to logits as its own graph: (scores, *captured) -> logits. The ``where(cond, -inf, x)``
     nodes in ``unmasked`` pass ``x`` through (for tiles where ``cond`` is false everywhere), and an additive mask's
-    add there passes the scores through (for tiles where its bias is 0)."""
+    add there passes the scores through (for tiles where its bias is 0). The finite guards in ``guards`` pass
+    their ``x`` through (``finite_speculation``)."""
     graph, env = _chain_inputs(region)
     zeros: set[torch.fx.Node] = set()  # chain nodes that are 0 on these tiles: a bias ``where(cond, -inf, 0)``
     for node in region.chain:
+        if guards and node in guards:
+            env[node] = env[guards[node]]
+            continue
         if node in unmasked and node.target is aten.add.Tensor:  # an additive mask: its bias is 0 on these tiles
             addend = next(arg for arg in node.args if depends_on(arg, region.score_root, {}))
         else:  # x + a dropped position mask's 0
@@ -808,15 +815,16 @@ def _chain_value_module(region: AttentionRegion, value: torch.fx.Node, shape: li
     return torch.fx.GraphModule(torch.nn.Module(), graph)
 
 
-def _logits_may_near_float_max(region: AttentionRegion, absorbing_fills: frozenset) -> bool:
+def _logits_may_near_float_max(region: AttentionRegion, absorbing_fills: frozenset, skipped: frozenset) -> bool:
     """Whether the chain reads a floating-point tensor (its values are unknown: HF's additive masks hold finfo.min)
     or computes with a constant of magnitude 2^64 or more that is not infinite. The constants of absorbing fills
-    do not count: they act as -inf, so overflowing to -inf once scaled changes nothing (every row keeps a key)."""
+    do not count: they act as -inf, so overflowing to -inf once scaled changes nothing (every row keeps a key);
+    nor do those of the ``skipped`` nodes (finite guards the kernel runs without)."""
     if any(_val(tensor) is not None and _val(tensor).is_floating_point() for tensor in region.captured):
         return True
     fill_nodes = {where.args[1] if fill_is_true_branch(where) else where.args[2] for where in absorbing_fills}
     only_fills = {node for node in fill_nodes if isinstance(node, torch.fx.Node) and set(node.users) <= absorbing_fills}
-    nodes = [node for node in region.chain if node not in only_fills]
+    nodes = [node for node in region.chain if node not in only_fills and node not in skipped]
     constants = torch.utils._pytree.tree_leaves([(node.args, node.kwargs) for node in nodes])
     return any(isinstance(c, float) and 2.0**64 <= abs(c) < math.inf for c in constants)
 
@@ -848,6 +856,15 @@ def _worth_a_visible_loop(unmasked: torch.fx.GraphModule, region: AttentionRegio
     scaling_only = all(node.op != "call_function" or node.target in scaling for node in unmasked.graph.nodes)
     head_dim = _val(region.q.node).shape[-1 if not region.q.transposed else -2]
     return scaling_only and (drops_mask_loads or head_dim <= config.visible_loop_max_head_dim)
+
+
+def _speculated_guards(region: AttentionRegion) -> tuple[dict, float]:
+    """The finite guards the kernel runs without, speculating, and the bound on the row max that keeps it exact
+    (``finite_speculation``): only for a softmax over the columns alone (no sink, no pair reduction), whose per-row
+    running state the check reads."""
+    if not (config.speculate_finite_scores and region.softmax and region.sink is None and region.pair is None):
+        return {}, math.inf
+    return speculation_bound(region.chain, region.logits, region.score_root, region.logit_scale)
 
 
 def call_op(graph: torch.fx.Graph, target: Any, args: tuple, kwargs: Optional[dict] = None) -> torch.fx.Node:
@@ -924,12 +941,19 @@ def fuse(region: AttentionRegion, group_coefficients: Optional[torch.fx.Node] = 
     drops_mask_loads = (tensor_mask is not None and tensor_mask.alone) or additive_mask is not None
     droppable = [*mask_nodes, *([id_mask.where] if id_mask is not None and id_mask.alone else [])]
     droppable += [tensor_mask.where if tensor_mask else additive_mask.add] if drops_mask_loads else []
-    unmasked = _score_chain_module(region, frozenset(droppable)) if droppable and config.split_visible_tiles else None
+    guards, row_max_bound = _speculated_guards(region)
+    unmasked = None
+    if droppable and config.split_visible_tiles:
+        unmasked = _score_chain_module(region, frozenset(droppable), guards)
     split = unmasked is not None and _worth_a_visible_loop(unmasked, region, drops_mask_loads)
     visible_tile_code = _visible_tile_code(formula, id_mask, drops_mask_loads) if split else None
     chain_module, unmasked_module, folded_scale = _folded_chains(
-        region, _score_chain_module(region), unmasked if visible_tile_code else None, fills
+        region, _score_chain_module(region, guards=guards), unmasked if visible_tile_code else None, fills
     )
+    wide_logits = region.softmax and _logits_may_near_float_max(region, fills, guard_only_nodes(region.chain, guards))
+    exact_module, exact_scale = None, 1.0
+    if guards:
+        exact_module, _, exact_scale = _folded_chains(region, _score_chain_module(region), None, fills)
     chain_id = register_score_chain(
         ScoreChain(
             graph_module=chain_module,
@@ -946,7 +970,10 @@ def fuse(region: AttentionRegion, group_coefficients: Optional[torch.fx.Node] = 
             id_graph_modules=None if id_mask is None else tuple(
                 _chain_value_module(region, ids, list(score_shape)) for ids in (id_mask.rows, id_mask.columns)
             ),
-            wide_logits=region.softmax and _logits_may_near_float_max(region, fills),
+            wide_logits=wide_logits,
+            exact_graph_module=exact_module,
+            exact_folded_scale=exact_scale,
+            speculation_bound=row_max_bound,
             batch_fastest=_batch_fastest(region, score_shape),
             mask_table_module=None if mask_table is None else _chain_value_module(
                 region, mask_table, [*(score_shape[:-2] or [1]), *_table_cells(score_shape, mask_table)]

@@ -43,7 +43,7 @@ def _passes_scale_through(node: torch.fx.Node, scaled: dict, fills: Optional[lis
         return node.args[0] in scaled and node.args[1].is_floating_point
     if node.target is aten.add.Tensor:
         return node.kwargs.get("alpha", 1) == 1 and sum(arg in scaled for arg in node.args) == 1 and any(
-            _zero_or_minus_inf(arg) for arg in node.args
+            zero_or_minus_inf(arg) for arg in node.args
         )
     if node.target is not aten.where.self:
         return False
@@ -60,7 +60,7 @@ def _passes_scale_through(node: torch.fx.Node, scaled: dict, fills: Optional[lis
     return True
 
 
-def _zero_or_minus_inf(node: object) -> bool:
+def zero_or_minus_inf(node: object) -> bool:
     """A bias ``where(cond, -inf, 0)`` (in any float dtype): ``c·x + b = c·(x + b)`` for every c > 0."""
     while isinstance(node, torch.fx.Node) and node.target is prims.convert_element_type.default:
         node = node.args[0]

@@ -37,6 +37,7 @@ from torch.utils._sympy.functions import ModularIndexing
 
 from inductor_overlay import config as overlay_config
 from inductor_overlay.fx_passes.block_sparsity import MASK_TABLE_CELL
+from inductor_overlay.fx_passes.finite_speculation import speculation_row_max_bound
 from inductor_overlay.ops import SCORE_CHAINS
 
 # Dimension elimination keeps a whole head dim in one tile; above this a tile would not fit in registers.
@@ -193,19 +194,49 @@ RUNNING_MAX_AND_P = """m_new = tl.maximum(m_i, tl.max(logits, 1) * LOGIT_SCALE)
         p = tl.exp2(logits * LOGIT_SCALE - m_shift[:, None])  # one fma per logit"""
 
 # Logits that may come near -FLT_MAX (an additive finfo.min mask, a bias read from memory) would overflow to -inf
-# once scaled by LOGIT_SCALE > 1, and a row of them would give 0/0 where eager gives the mean of V. Such kernels keep
-# the running max in the logits' own units and pick a scale per row: LOGIT_SCALE, or for a row whose max would
-# overflow, TINY_LOGIT_SCALE (LOGIT_SCALE over a power of two, in (1/2, 1]). Floats that low are at least 2^90 apart,
-# so the row's logits differ from its max by 0 or by far more than exp2 can weigh: 1 or 0 at either scale, as in
-# eager. Still one fma per logit; the extra work is per row.
+# once scaled by LOGIT_SCALE > 1, and a row of them would give 0/0 where eager gives the mean of V; near +FLT_MAX
+# (nan_to_num of +inf scores) to inf - inf. Such kernels keep the running max in the logits' own units and pick a
+# scale per row: LOGIT_SCALE, or for a row whose max would overflow, TINY_LOGIT_SCALE (LOGIT_SCALE over a power of
+# two, in (1/2, 1]). Floats that far out are at least 2^90 apart, so the row's logits differ from its max by 0 or by
+# far more than exp2 can weigh: 1 or 0 at either scale, as in eager. Still one fma per logit; the extra work is per row.
 RUNNING_MAX_AND_P_WIDE = """m_new = tl.maximum(m_i, tl.max(logits, 1))  # in the logits' own units
         m_known = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows masked so far: keep exp2 finite
-        row_scale = tl.where(m_known * LOGIT_SCALE > float("-inf"), LOGIT_SCALE, TINY_LOGIT_SCALE)
+        row_scale = tl.where(tl.abs(m_known * LOGIT_SCALE) < float("inf"), LOGIT_SCALE, TINY_LOGIT_SCALE)
         alpha = tl.exp2((m_i - m_known) * LOGIT_SCALE)
         p = tl.exp2(logits * row_scale[:, None] - (m_known * row_scale)[:, None])  # one fma per logit"""
 
 SOFTMAX_FINISH = """# Normalise once, after the loop (a row whose logits were all -inf gives 0/0 = NaN, as eager does).
     acc = acc / l_i[:, None]"""
+
+# Speculation (fx_passes/finite_speculation.py): the loops ran a chain without its guards against NaN and infinity.
+SPECULATION_CHECK = """
+    # The loops above ran the chain without its guards against NaN and infinity, which change no finite score. A row
+    # whose running max stayed moderate and whose sum finite and positive met none (a -inf weighs 0 with or without
+    # them); otherwise this row tile runs again with the whole chain.
+    speculation_failed = ~((l_i > 0.0) & (l_i < float("inf")) & (tl.abs(m_i) < SPECULATION_MAX_BOUND))
+    if tl.max(speculation_failed.to(tl.int32), 0) > 0:
+        STATE
+        EXACT_LOOP"""
+
+
+def _speculation_check(exact_subgraph: int) -> str:
+    """The check after the loops, and the loop over the same tiles that runs the whole chain (``exact_subgraph``)
+    from a fresh state, in the logits' own units (the guards' ±FLT_MAX must not overflow once scaled)."""
+    accumulate = SOFTMAX_ACCUMULATE.replace("LOAD_V", LOAD_V).replace("RUNNING_MAX_AND_P", RUNNING_MAX_AND_P_WIDE)
+    exact_loop = (
+        N_LOOP.replace("START", "first_n").replace("END", "end_n").replace("CHAIN", str(exact_subgraph))
+        .replace("ACCUMULATE", accumulate).replace("LOGIT_SCALE", "EXACT_LOGIT_SCALE")
+    )
+    return SPECULATION_CHECK.replace("STATE", _deeper(SOFTMAX_STATE)).replace("EXACT_LOOP", _deeper(exact_loop))
+
+
+def _deeper(source: str) -> str:
+    """``source`` placed one block deeper: four more spaces on each line after the first (blank lines stay blank),
+    and its Inductor-generated code (``indent_except_first``) one level deeper too."""
+    first, *rest = source.split("\n")
+    lines = [first] + ["    " + line if line else line for line in rest]
+    return re.sub(r"indent_except_first\((\d)\)", lambda level: f"indent_except_first({int(level[1]) + 1})", "\n".join(lines))
+
 
 # A pair reduction (IPA's Σ_j a_ij z_ij) is linear in the probabilities like P·V: same rescaling, same normaliser.
 PAIR_STATE = """
@@ -396,13 +427,15 @@ def online_softmax_attention_template(
     id_subgraphs: Optional[tuple[int, int]] = None,
     table_subgraph: Optional[int] = None,
     wide_logits: bool = False,
+    exact_subgraph: Optional[int] = None,
 ) -> TritonTemplate:
     """The kernel template for operands with the given numbers of batch dims (q, kᵀ, v and, if there is a fourth,
     the sink), position mask (tests for entirely masked and entirely visible tiles), normalisation (softmax, or
     none), head groups (1: no combination), pair reduction (the per-pair tensor's batch dims, or None), output
     batch dims (their sizes; one dim, of any size, for a flattened batch), id-equality mask (the subgraphs of
     its row and column ids, or None), mask tensor (the subgraph of its cell states, or None) and whether logits
-    may come near -FLT_MAX (``RUNNING_MAX_AND_P_WIDE``)."""
+    may come near -FLT_MAX (``RUNNING_MAX_AND_P_WIDE``), and the subgraph of the whole chain when the loops run
+    it without its finite guards (``SPECULATION_CHECK``), or None."""
     names = ["Q", "KT", "V", "SINK"][: len(batch_ranks)] + (["COEF", "PARTIAL"] if groups > 1 else [])
     if not softmax:
         state, accumulate, finish = LINEAR_STATE, LINEAR_ACCUMULATE, LINEAR_FINISH
@@ -414,8 +447,11 @@ def online_softmax_attention_template(
         state, finish = state + PAIR_STATE, finish + PAIR_FINISH
         accumulate = accumulate.replace("# acc = alpha * acc + P V", PAIR_ACCUMULATE + "# acc = alpha * acc + P V")
     tile_range = _tile_range(masked_tile_code, visible_tile_code, id_subgraphs, table_subgraph)
+    loops = ONE_LOOP if visible_tile_code is None else SPLIT_LOOPS
+    if exact_subgraph is not None:
+        loops += _speculation_check(exact_subgraph)
     one_head = (
-        ONE_HEAD.replace("N_LOOPS", ONE_LOOP if visible_tile_code is None else SPLIT_LOOPS)
+        ONE_HEAD.replace("N_LOOPS", loops)
         .replace("ROW_STATE", state)
         .replace("ACCUMULATE", accumulate.replace("LOAD_V", LOAD_V))
         .replace("RUNNING_MAX_AND_P", RUNNING_MAX_AND_P_WIDE if wide_logits else RUNNING_MAX_AND_P)
@@ -427,9 +463,7 @@ def online_softmax_attention_template(
     if groups == 1:
         heads = "    fl_z = out_z.to(POSITION_DTYPE)\n" + one_head
     else:
-        nested = "\n".join("    " + line if line else line for line in one_head.splitlines())
-        deeper = re.sub(r"indent_except_first\((\d)\)", lambda level: f"indent_except_first({int(level[1]) + 1})", nested)
-        heads = GROUPED_HEADS.replace("ONE_HEAD", deeper)
+        heads = GROUPED_HEADS.replace("ONE_HEAD", _deeper("\n" + one_head)[1:])
     source = ATTENTION_HEAD.replace("INPUT_NAMES", ", ".join(f'"{name}"' for name in names)) + heads + _attention_tail(output_batch)
     return _template_of(source)
 
@@ -747,6 +781,18 @@ def _lower_attention(q, kt, v, captured, sink, chain_id, group_coefficients=None
         table_subgraph = len(subgraphs)
         cells = [-(-V.graph.sizevars.guard_int(size) // MASK_TABLE_CELL) for size in (m, n)]
         subgraphs.append(_lower_score_chain(chain.mask_table_module, chain.score_dtype, [*batch_shape, *cells], device, chain_inputs))
+    exact_subgraph, speculation = None, {}
+    if chain.exact_graph_module is not None:
+        exact_subgraph = len(subgraphs)
+        subgraphs.append(_lower_score_chain(chain.exact_graph_module, chain.score_dtype, score_size, device, chain_inputs, fast_tanh))
+        exact_scale = LOG2E * chain.exact_folded_scale
+        speculation = dict(
+            EXACT_LOGIT_SCALE=exact_scale,
+            TINY_EXACT_LOGIT_SCALE=exact_scale / 2.0 ** max(math.ceil(math.log2(exact_scale)), 0),
+            SPECULATION_MAX_BOUND=speculation_row_max_bound(
+                chain.speculation_bound, chain.wide_logits, chain.folded_scale, LOG2E
+            ),
+        )
     # Realised as they are: the kernel reads any strides (no stride-1 copy, unlike ``realize_inputs``).
     operands = [ir.ExternKernel.realize_input(t) for t in (q, kt, v, sink) if t is not None]
     ranks = tuple(len(t.get_size()) - 2 for t in operands)
@@ -776,6 +822,7 @@ def _lower_attention(q, kt, v, captured, sink, chain_id, group_coefficients=None
     template_key = (
         ranks, chain.masked_tile_code, chain.softmax, groups, chain.visible_tile_code if visible_loop else None, pair_rank,
         tuple(output_batch) if output_batch is not None else (0,), id_subgraphs, table_subgraph, chain.wide_logits,
+        exact_subgraph,
     )
     logit_scale, sink_scale = LOG2E * chain.folded_scale, chain.sink_scale * LOG2E
     # Over a power of two at least LOGIT_SCALE (exact): in (1/2, 1] where LOGIT_SCALE > 1, the only case it is used.
@@ -823,6 +870,7 @@ def _lower_attention(q, kt, v, captured, sink, chain_id, group_coefficients=None
             # K and V tiles are read again by every row tile of their head; a score-sized tensor the chain streams
             # through (a per-head bias, a mask) is read once: K and V get to stay in L2.
             KV_EVICTION="'evict_last'" if element_bytes > 0 else "''",
+            **speculation,
             **{key: value for key, value in config.items() if key != "partial_stages"},
         )
         if error is not None:
