@@ -313,8 +313,9 @@ def column_tile_loops(kernel: str) -> int:
             "for partial_n in tl.range(0, partial_before + (end_n - full_hi), BLOCK_N, num_stages=PARTIAL_STAGES)"
         ).run(fast)
     if exact:
-        FileCheck().check("if tl.max(speculation_failed").check_count("for start_n in range(first_n, end_n", 1, exactly=True).check_not(
-            "for partial_n").run(exact[0])
+        FileCheck().check("if tl.max(speculation_failed").check_count(
+            "for start_n in tl.range(first_n, end_n, BLOCK_N, num_stages=1)", 1, exactly=True
+        ).check_not("for partial_n").run(exact[0])
     return loops + len(exact)
 
 

@@ -610,7 +610,7 @@ def test_rows_of_finfo_min_logits_get_the_mean_of_v():
         _, causal_code = testing.compile_and_get_code(variants.causal_masked_fill, q, q, v[:, :, :40])
     kernel = next(iter(testing.triton_kernels(code).values()))
     FileCheck().check("m_new = tl.maximum(m_i, tl.max(logits, 1))").check(
-        "row_scale = tl.where(tl.abs(m_known * LOGIT_SCALE) < float(\"inf\"), LOGIT_SCALE, TINY_LOGIT_SCALE)"
+        "row_scale = tl.where(tl.abs(m_known * LOGIT_SCALE) < 1073741824.0, LOGIT_SCALE, TINY_LOGIT_SCALE)"
     ).check("p = tl.exp2(logits * row_scale[:, None] - (m_known * row_scale)[:, None])").run(kernel)
     causal_kernel = next(iter(testing.triton_kernels(causal_code).values()))
     FileCheck().check("p = tl.exp2(logits * LOGIT_SCALE - m_shift[:, None])").check_not("row_scale").run(causal_kernel)

@@ -51,7 +51,7 @@ def test_guarded_chain_runs_its_loops_without_the_guards():
             "logits = tmp").run(loop)
     FileCheck().check_not("tl.where(tmp").run(visible)
     FileCheck().check("tl.where(tmp").run(partial)
-    FileCheck().check("if tl.max(speculation_failed").check("for start_n in range(first_n, end_n").check(
+    FileCheck().check("if tl.max(speculation_failed").check("for start_n in tl.range(first_n, end_n, BLOCK_N, num_stages=1)").check(
         " == tmp").check("libdevice.isnan").check("row_scale").check("acc = tl.dot(p, v").check(
         "acc = acc / l_i").run(exact)
 
@@ -137,3 +137,15 @@ def test_guards_written_by_hand_are_speculated(fn):
     fast, exact = fused_kernel(code).split("speculation_failed = ")
     FileCheck().check("scores = tl.dot(q, kt").check_not("tl.where(tmp").check("logits = tmp").run(fast)
     FileCheck().check("tl.where(tmp").run(exact)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_guards_on_16_bit_scores_are_speculated(dtype):
+    """In 16-bit the decomposed ``nan_to_num`` tests the scores widened to float32 for infinity and the scores
+    themselves for NaN: one guard of one value all the same."""
+    inputs = _with_non_finite_scores(PROGRAM.inputs(B=1, H=2, S=96, D=8, dtype=dtype), "infinite_rows")
+    out, code = compile_on_cpu(PROGRAM.fn, inputs)
+    testing.assert_close_to_reference(out, PROGRAM.fn(**{name: t.float() for name, t in inputs.items()}))
+    fast, exact = fused_kernel(code).split("speculation_failed = ")
+    FileCheck().check("scores = tl.dot(q, kt").check_not("isnan").check("logits = tmp").run(fast)
+    FileCheck().check("libdevice.isnan").run(exact)

@@ -634,18 +634,15 @@ def _score_chain_module(
     graph, env = _chain_inputs(region)
     zeros: set[torch.fx.Node] = set()  # chain nodes that are 0 on these tiles: a bias ``where(cond, -inf, 0)``
     for node in region.chain:
-        if guards and node in guards:
-            env[node] = env[guards[node]]
+        if guards and node in guards:  # x, in the guard's dtype
+            env[node] = _in_dtype_of(graph, env[guards[node]], guards[node], node)
             continue
         if node in unmasked and node.target is aten.add.Tensor:  # an additive mask: its bias is 0 on these tiles
             addend = next(arg for arg in node.args if depends_on(arg, region.score_root, {}))
         else:  # x + a dropped position mask's 0
             addend = _added_to_zero(node, zeros)
         if addend is not None:  # the sum is x, in the sum's dtype
-            same_dtype = _val(addend).dtype == _val(node).dtype
-            env[node] = env[addend] if same_dtype else graph.call_function(
-                prims.convert_element_type.default, (env[addend], _val(node).dtype)
-            )
+            env[node] = _in_dtype_of(graph, env[addend], addend, node)
             continue
         if node in unmasked:
             condition, if_true, if_false = node.args
@@ -665,6 +662,13 @@ def _score_chain_module(
     graph.output(logits)
     graph.eliminate_dead_code()  # the bypassed masks' conditions
     return torch.fx.GraphModule(torch.nn.Module(), graph)
+
+
+def _in_dtype_of(graph: torch.fx.Graph, value: torch.fx.Node, source: torch.fx.Node, node: torch.fx.Node) -> torch.fx.Node:
+    """``value`` (the copy of ``source`` in ``graph``) standing for ``node``: converted to ``node``'s dtype if it differs."""
+    if _val(source).dtype == _val(node).dtype:
+        return value
+    return graph.call_function(prims.convert_element_type.default, (value, _val(node).dtype))
 
 
 def _added_to_zero(node: torch.fx.Node, zeros: set) -> Optional[torch.fx.Node]:

@@ -37,24 +37,35 @@ MAX_BOUND = 2.0**100
 _NON_FINITE_TESTS = (aten.isnan.default, aten.isinf.default, aten.isposinf.default, aten.isneginf.default)
 
 
+def _widened_from(node: object) -> object:
+    """``x`` when ``node`` converts ``x`` to a floating dtype of at least its range (finite stays finite), else ``node``."""
+    while is_op(node, prims.convert_element_type.default) and node.args[1].is_floating_point:
+        source = node.args[0].meta.get("val") if isinstance(node.args[0], torch.fx.Node) else None
+        if source is None or not source.is_floating_point() or torch.finfo(node.args[1]).max < torch.finfo(source.dtype).max:
+            break
+        node = node.args[0]
+    return node
+
+
 def _tested_value(condition: object) -> Optional[torch.fx.Node]:
     """``x`` when ``condition`` is true only where ``x`` is NaN or infinite (an or of such tests of one ``x``)."""
     if is_op(condition, (aten.logical_or.default, aten.bitwise_or.Tensor)):
         tested = {_tested_value(arg) for arg in condition.args}
         return tested.pop() if len(tested) == 1 and None not in tested else None
     if is_op(condition, _NON_FINITE_TESTS):
-        return condition.args[0]
+        return _widened_from(condition.args[0])
     if is_op(condition, (aten.eq.Scalar, aten.eq.Tensor)) and abs(constant_value(condition.args[1]) or 0.0) == math.inf:
         value = condition.args[0]
-        return value.args[0] if is_op(value, aten.abs.default) else value
+        return _widened_from(value.args[0] if is_op(value, aten.abs.default) else value)
     if is_op(condition, (aten.ne.Tensor,)) and condition.args[0] is condition.args[1]:
-        return condition.args[0]  # x != x: isnan
+        return _widened_from(condition.args[0])  # x != x: isnan
     return None
 
 
 def finite_guards(chain: list[torch.fx.Node]) -> dict[torch.fx.Node, torch.fx.Node]:
     """Each ``where`` of the chain that equals some ``x`` wherever ``x`` is finite, mapped to that ``x``: its condition
-    tests ``x`` for NaN or infinity, one branch is a constant and the other ``x`` or another such guard of ``x``."""
+    tests ``x`` (or ``x`` widened to another float dtype) for NaN or infinity, one branch is a constant and the
+    other ``x`` or another such guard of ``x``."""
     guards: dict[torch.fx.Node, torch.fx.Node] = {}
     for node in chain:
         if not is_op(node, aten.where.self):
@@ -63,8 +74,9 @@ def finite_guards(chain: list[torch.fx.Node]) -> dict[torch.fx.Node, torch.fx.No
         tested = _tested_value(condition)
         if tested is None or constant_value(if_true) is None:
             continue
-        if guards.get(if_false, if_false) is tested:
-            guards[node] = tested
+        kept = guards.get(if_false, if_false)
+        if _widened_from(kept) is tested:
+            guards[node] = kept
     return guards
 
 

@@ -193,15 +193,17 @@ RUNNING_MAX_AND_P = """m_new = tl.maximum(m_i, tl.max(logits, 1) * LOGIT_SCALE)
         alpha = tl.exp2(m_i - m_shift)
         p = tl.exp2(logits * LOGIT_SCALE - m_shift[:, None])  # one fma per logit"""
 
-# Logits that may come near -FLT_MAX (an additive finfo.min mask, a bias read from memory) would overflow to -inf
-# once scaled by LOGIT_SCALE > 1, and a row of them would give 0/0 where eager gives the mean of V; near +FLT_MAX
-# (nan_to_num of +inf scores) to inf - inf. Such kernels keep the running max in the logits' own units and pick a
-# scale per row: LOGIT_SCALE, or for a row whose max would overflow, TINY_LOGIT_SCALE (LOGIT_SCALE over a power of
-# two, in (1/2, 1]). Floats that far out are at least 2^90 apart, so the row's logits differ from its max by 0 or by
-# far more than exp2 can weigh: 1 or 0 at either scale, as in eager. Still one fma per logit; the extra work is per row.
+# Logits that may come near ±FLT_MAX (an additive finfo.min mask, a bias read from memory, nan_to_num of infinite
+# scores) break the fma above: m·LOGIT_SCALE overflows, or rounds by up to 2^103, which exp2 turns into inf or 0 for
+# the row's largest logits (0/0 where eager gives the mean of V). Such kernels keep the running max in the logits' own
+# units and pick a scale per row: LOGIT_SCALE, or for a row whose scaled max reaches 2^30, TINY_LOGIT_SCALE, the
+# largest power of two at most LOGIT_SCALE, by which m scales exactly. Floats that far out are more than 64/LOGIT_SCALE
+# apart, so the row's logits differ from its max by 0 or by more than exp2 can weigh at either scale: 1 or 0, as in
+# eager. (Below 2^30 the fma's rounding of m·LOGIT_SCALE is at most 2^6, a factor common to the row's terms.) Still
+# one fma per logit; the extra work is per row.
 RUNNING_MAX_AND_P_WIDE = """m_new = tl.maximum(m_i, tl.max(logits, 1))  # in the logits' own units
         m_known = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows masked so far: keep exp2 finite
-        row_scale = tl.where(tl.abs(m_known * LOGIT_SCALE) < float("inf"), LOGIT_SCALE, TINY_LOGIT_SCALE)
+        row_scale = tl.where(tl.abs(m_known * LOGIT_SCALE) < 1073741824.0, LOGIT_SCALE, TINY_LOGIT_SCALE)  # 2^30
         alpha = tl.exp2((m_i - m_known) * LOGIT_SCALE)
         p = tl.exp2(logits * row_scale[:, None] - (m_known * row_scale)[:, None])  # one fma per logit"""
 
@@ -221,11 +223,13 @@ SPECULATION_CHECK = """
 
 def _speculation_check(exact_subgraph: int) -> str:
     """The check after the loops, and the loop over the same tiles that runs the whole chain (``exact_subgraph``)
-    from a fresh state, in the logits' own units (the guards' ±FLT_MAX must not overflow once scaled)."""
+    from a fresh state, in the logits' own units (the guards' ±FLT_MAX must not overflow once scaled). That loop is
+    not pipelined: it rarely runs, and its stages' buffers would cost the loops above shared memory."""
     accumulate = SOFTMAX_ACCUMULATE.replace("LOAD_V", LOAD_V).replace("RUNNING_MAX_AND_P", RUNNING_MAX_AND_P_WIDE)
     exact_loop = (
-        N_LOOP.replace("START", "first_n").replace("END", "end_n").replace("CHAIN", str(exact_subgraph))
-        .replace("ACCUMULATE", accumulate).replace("LOGIT_SCALE", "EXACT_LOGIT_SCALE")
+        N_LOOP.replace("range(START, END, BLOCK_N)", "tl.range(first_n, end_n, BLOCK_N, num_stages=1)")
+        .replace("CHAIN", str(exact_subgraph)).replace("ACCUMULATE", accumulate)
+        .replace("LOGIT_SCALE", "EXACT_LOGIT_SCALE")
     )
     return SPECULATION_CHECK.replace("STATE", _deeper(SOFTMAX_STATE)).replace("EXACT_LOOP", _deeper(exact_loop))
 
@@ -706,6 +710,11 @@ def approximate_tanh(x: Any) -> Any:
     return ir.Pointwise.create(device=x.get_device(), dtype=x.get_dtype(), inner_fn=inner_fn, ranges=x.get_size())
 
 
+def _power_of_two_below(scale: float) -> float:
+    """The largest power of two at most ``scale`` (``RUNNING_MAX_AND_P_WIDE``'s TINY_LOGIT_SCALE)."""
+    return 2.0 ** math.floor(math.log2(scale))
+
+
 def _lower_score_chain(
     graph_module: torch.fx.GraphModule, score_dtype: torch.dtype, score_size: list[Any], device: torch.device,
     captured: list[Any], fast_tanh: bool = False,
@@ -788,7 +797,7 @@ def _lower_attention(q, kt, v, captured, sink, chain_id, group_coefficients=None
         exact_scale = LOG2E * chain.exact_folded_scale
         speculation = dict(
             EXACT_LOGIT_SCALE=exact_scale,
-            TINY_EXACT_LOGIT_SCALE=exact_scale / 2.0 ** max(math.ceil(math.log2(exact_scale)), 0),
+            TINY_EXACT_LOGIT_SCALE=_power_of_two_below(exact_scale),
             SPECULATION_MAX_BOUND=speculation_row_max_bound(
                 chain.speculation_bound, chain.wide_logits, chain.folded_scale, LOG2E
             ),
@@ -825,8 +834,7 @@ def _lower_attention(q, kt, v, captured, sink, chain_id, group_coefficients=None
         exact_subgraph,
     )
     logit_scale, sink_scale = LOG2E * chain.folded_scale, chain.sink_scale * LOG2E
-    # Over a power of two at least LOGIT_SCALE (exact): in (1/2, 1] where LOGIT_SCALE > 1, the only case it is used.
-    tiny_logit_scale = logit_scale / 2.0 ** max(math.ceil(math.log2(logit_scale)), 0)
+    tiny_logit_scale = _power_of_two_below(logit_scale)
     choices: list[Any] = []
     element_bytes, columns = _score_sized_bytes(captured, m, n), V.graph.sizevars.size_hint(n)
     configs = kernel_configs(
