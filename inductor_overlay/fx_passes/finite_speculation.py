@@ -110,20 +110,20 @@ def _factor_to_softmax(guard: torch.fx.Node, logits: torch.fx.Node, scores: torc
     scale a finite value by it: floating conversions, positive constant factors (times the softmax's ``scale``), a
     bias that is 0 or -inf, and masks that replace it by a constant where a condition that does not read the
     scores holds. One path, no other use: none of these has another operand that reads the scores. Else None."""
-    node, factor = guard, scale
+    node, factor, memo = guard, scale, {}
     while node is not logits:
         if len(node.users) != 1:
             return None
         user = next(iter(node.users))
-        others = [arg for arg in user.all_input_nodes if arg is not node]
-        if any(depends_on(other, scores, {}) for other in others):
+        if any(depends_on(arg, scores, memo) for arg in user.all_input_nodes if arg is not node):
             return None
         if is_op(user, prims.convert_element_type.default):
             ok = user.args[1].is_floating_point
         elif is_op(user, (aten.mul.Tensor, aten.div.Tensor)) and len(user.args) == 2:
             value = positive_scalar(user.args[1] if user.args[0] is node else user.args[0])
             ok = value is not None and (user.target is aten.mul.Tensor or user.args[0] is node)
-            factor *= (value if user.target is aten.mul.Tensor else 1.0 / value) if ok else 1.0
+            if ok:
+                factor *= value if user.target is aten.mul.Tensor else 1.0 / value
         elif is_op(user, aten.add.Tensor):
             ok = user.kwargs.get("alpha", 1) == 1 and any(zero_or_minus_inf(arg) for arg in user.args if arg is not node)
         elif is_op(user, aten.where.self):
@@ -155,15 +155,9 @@ def speculation_bound(
 
 def guard_only_nodes(chain: list[torch.fx.Node], guards: dict[torch.fx.Node, torch.fx.Node]) -> frozenset:
     """The guards and the nodes only they use (their tests and constants): what the fast chain does not compute."""
-    dropped = set(guards)
+    dropped, kept = set(guards), set(guards.values())
     for node in reversed(chain):
-        if node not in dropped and node.users and all(user in dropped for user in node.users):
-            if node not in guards.values():
-                dropped.add(node)
+        if node not in kept and node.users and all(user in dropped for user in node.users):
+            dropped.add(node)
     return frozenset(dropped)
 
-
-def speculation_row_max_bound(bound: float, wide_logits: bool, folded_scale: float, log2e: float) -> float:
-    """The bound on the row max (logits' units) in the units of the kernel's running max: log2 units (logits times
-    log2(e)), or with wide logits the fast chain's own (the logits over the folded scale)."""
-    return bound / folded_scale if wide_logits else bound * log2e

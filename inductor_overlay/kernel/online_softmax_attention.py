@@ -37,7 +37,6 @@ from torch.utils._sympy.functions import ModularIndexing
 
 from inductor_overlay import config as overlay_config
 from inductor_overlay.fx_passes.block_sparsity import MASK_TABLE_CELL
-from inductor_overlay.fx_passes.finite_speculation import speculation_row_max_bound
 from inductor_overlay.ops import SCORE_CHAINS
 
 # Dimension elimination keeps a whole head dim in one tile; above this a tile would not fit in registers.
@@ -798,9 +797,10 @@ def _lower_attention(q, kt, v, captured, sink, chain_id, group_coefficients=None
         speculation = dict(
             EXACT_LOGIT_SCALE=exact_scale,
             TINY_EXACT_LOGIT_SCALE=_power_of_two_below(exact_scale),
-            SPECULATION_MAX_BOUND=speculation_row_max_bound(
-                chain.speculation_bound, chain.wide_logits, chain.folded_scale, LOG2E
-            ),
+            # The bound in the running max's units: the fast chain's own with wide logits (the logits over the folded
+            # scale), else log2 units (the logits times log2(e)).
+            SPECULATION_MAX_BOUND=chain.speculation_bound / chain.folded_scale if chain.wide_logits
+            else chain.speculation_bound * LOG2E,
         )
     # Realised as they are: the kernel reads any strides (no stride-1 copy, unlike ``realize_inputs``).
     operands = [ir.ExternKernel.realize_input(t) for t in (q, kt, v, sink) if t is not None]
