@@ -384,7 +384,7 @@ def test_tile_configs_are_autotuned_only_under_max_autotune_by_default():
     FlexAttention does; which one depends on the case: rows with a score-sized bias get 128-row tiles, 64 columns
     wide over long rows, 32 over short ones (64-row tiles at rows of 256); at head dim 128 a chain whose tiles
     mostly run the visible loop gets 128×128 over rows longer than 1024, others 64×64, unless a mask table decides
-    the tiles."""
+    the tiles; DiffAttn's head pairs get 8 warps under a causal mask."""
     from torch._inductor import config as inductor_config
 
     from inductor_overlay.kernel import online_softmax_attention as kernel
@@ -408,6 +408,9 @@ def test_tile_configs_are_autotuned_only_under_max_autotune_by_default():
     assert computed == [dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3, partial_stages=2),
                         dict(long_biased[0], partial_stages=2)]
     assert "partial_stages" not in kernel.kernel_configs(64, 64, cuda, columns=2048, visible_loop=True, mask_table=True)[0]
+    # DiffAttn's head pairs (Q·K at 64, P·V at 128): 4 warps unmasked, 8 under a causal mask.
+    assert kernel.kernel_configs(64, 128, cuda)[0] == dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=3)
+    assert kernel.kernel_configs(64, 128, cuda, visible_loop=True)[0] == dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3)
     assert config.tile_autotuning == "max-autotune"
     assert kernel._autotuned(long_biased) == long_biased[:1]
     with inductor_config.patch(max_autotune=True):

@@ -563,6 +563,10 @@ def kernel_configs(
         shapes = [(64, 64, 4, 3), (128, 64, 8, 3), (128, 128, 4, 3)]
     elif d <= 64 and dv <= 128:
         shapes = [(128, 64, 4, 3), (64, 64, 4, 3), (128, 128, 8, 3)]
+        # DiffAttn under a causal mask (three column loops with the speculation fallback): 8 warps, by 12% at
+        # 4×32×4096×64 and 44% at 32×32×512×64 (h100_2026-11-24_causal_diff_warps/).
+        if visible_loop:
+            shapes.insert(0, (128, 64, 8, 3))
     elif max(d, dv) <= 128:
         # A score-sized bias or mask read on every tile: over long rows 128×64 (8 warps) won by 9% over the
         # runner-up at 2×16×8192×128 (h100_2026-11-22_stages_and_scale/sweep_d128.txt); over short ones 32 columns,
