@@ -409,7 +409,7 @@ def test_tile_configs_are_autotuned_only_under_max_autotune_by_default():
                         dict(long_biased[0], partial_stages=2)]
     assert "partial_stages" not in kernel.kernel_configs(64, 64, cuda, columns=2048, visible_loop=True, mask_table=True)[0]
     # DiffAttn's head pairs (Q·K at 64, P·V at 128): 4 warps unmasked, 8 under a causal mask.
-    assert kernel.kernel_configs(64, 128, cuda)[0] == dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=3)
+    assert kernel.kernel_configs(64, 128, cuda)[0] == dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=4)
     assert kernel.kernel_configs(64, 128, cuda, visible_loop=True)[0] == dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3)
     assert config.tile_autotuning == "max-autotune"
     assert kernel._autotuned(long_biased) == long_biased[:1]

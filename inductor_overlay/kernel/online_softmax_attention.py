@@ -562,7 +562,9 @@ def kernel_configs(
     if max(d, dv) <= 64:
         shapes = [(64, 64, 4, 3), (128, 64, 8, 3), (128, 128, 4, 3)]
     elif d <= 64 and dv <= 128:
-        shapes = [(128, 64, 4, 3), (64, 64, 4, 3), (128, 128, 8, 3)]
+        # DiffAttn's head pairs: four stages, by 4% at 32×32×512×64 and 4×32×4096×64
+        # (h100_2026-11-24_causal_diff_warps/stages_sweep.txt).
+        shapes = [(128, 64, 4, 4), (64, 64, 4, 3), (128, 128, 8, 3)]
         # DiffAttn under a causal mask (three column loops with the speculation fallback): 8 warps, by 12% at
         # 4×32×4096×64 and 44% at 32×32×512×64 (h100_2026-11-24_causal_diff_warps/).
         if visible_loop:
