@@ -233,11 +233,12 @@ def _speculation_check(exact_subgraph: int) -> str:
     return SPECULATION_CHECK.replace("STATE", _deeper(SOFTMAX_STATE)).replace("EXACT_LOOP", _deeper(exact_loop))
 
 
-def _deeper(source: str) -> str:
-    """``source`` placed one block deeper: four more spaces on each line after the first (blank lines stay blank),
-    and its Inductor-generated code (``indent_except_first``) one level deeper too."""
-    first, *rest = source.split("\n")
-    lines = [first] + ["    " + line if line else line for line in rest]
+def _deeper(source: str, first_line: bool = False) -> str:
+    """``source`` placed one block deeper: four more spaces on each line (blank lines stay blank), the first only
+    with ``first_line`` (else it continues a line of the template), and its Inductor-generated code
+    (``indent_except_first``) one level deeper too."""
+    lines = source.split("\n")
+    lines = [line if not line or (index == 0 and not first_line) else "    " + line for index, line in enumerate(lines)]
     return re.sub(r"indent_except_first\((\d)\)", lambda level: f"indent_except_first({int(level[1]) + 1})", "\n".join(lines))
 
 
@@ -466,7 +467,7 @@ def online_softmax_attention_template(
     if groups == 1:
         heads = "    fl_z = out_z.to(POSITION_DTYPE)\n" + one_head
     else:
-        heads = GROUPED_HEADS.replace("ONE_HEAD", _deeper("\n" + one_head)[1:])
+        heads = GROUPED_HEADS.replace("ONE_HEAD", _deeper(one_head, first_line=True))
     source = ATTENTION_HEAD.replace("INPUT_NAMES", ", ".join(f'"{name}"' for name in names)) + heads + _attention_tail(output_batch)
     return _template_of(source)
 
