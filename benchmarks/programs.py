@@ -226,12 +226,13 @@ _DIFF_SIZES = tuple(dict(B=max(1, 16384 // s), H=h, S=s, D=d)
 PROGRAMS = {
     p.name: p
     for p in [
-        # One program runs both heads of a pair (each reads their V head in place) and subtracts the two halves;
-        # the second kernel is one small pointwise kernel building the coefficients (1, -λ). With
-        # config.combine_head_groups_in_kernel off, a pointwise kernel over the per-head outputs subtracts instead.
-        Program("diff_attention", diff_attention, diff_inputs, diff_flops, kernels=2, dots=2,
+        # One program runs both heads of a pair in one loop over the column tiles (two QKᵀ dots, one V tile for two
+        # P·V dots) and subtracts the two halves; the second kernel is one small pointwise kernel building the
+        # coefficients (1, -λ). With config.combine_head_groups_in_kernel off, a pointwise kernel over the per-head
+        # outputs subtracts instead. The causal form runs the two heads in turn (two dots per loop).
+        Program("diff_attention", diff_attention, diff_inputs, diff_flops, kernels=2, dots=4,
                 cpu_size=dict(B=2, H=4, S=37, D=16), gpu_sizes=_DIFF_SIZES),
-        Program("diff_attention_two_matmuls", diff_attention_two_matmuls, diff_inputs, diff_flops, kernels=2, dots=2,
+        Program("diff_attention_two_matmuls", diff_attention_two_matmuls, diff_inputs, diff_flops, kernels=2, dots=4,
                 cpu_size=dict(B=2, H=4, S=37, D=16), gpu_sizes=_DIFF_SIZES),
         Program("diff_transformer_causal", diff_transformer_causal, diff_inputs, diff_causal_flops, kernels=2, dots=2,
                 cpu_size=dict(B=2, H=4, S=37, D=16), gpu_sizes=_DIFF_SIZES),

@@ -36,6 +36,12 @@ linear_fusion_min_rows: int = 16384
 # and within 1% as much at the longest D64 rows (benchmarks/results/h100_2026-11-23_diff_partial_sum/).
 combine_head_groups_in_kernel: bool = os.environ.get("FLASHLIGHT_COMBINE_HEAD_GROUPS_IN_KERNEL", "1") != "0"
 
+# Heads of such a group that read one V (DiffAttn's pair) share one pass over the column tiles: each V tile is loaded
+# once for all of their accumulators, instead of once per head in turn. Their accumulators (heads × Dv columns per
+# row) are live together, so this applies up to the given width; wider groups run in turn.
+share_v_tile_in_head_groups: bool = os.environ.get("FLASHLIGHT_SHARE_V_TILE_IN_HEAD_GROUPS", "1") != "0"
+shared_v_max_accumulator_columns: int = 256
+
 # The block-skipping pre-pass tests 64 column tiles per step (vectors of tile bounds) instead of one: at long
 # sequences a one-tile-per-step scan costs as much as the visible tiles' work (sliding windows).
 vector_tile_scan: bool = os.environ.get("FLASHLIGHT_VECTOR_TILE_SCAN", "1") != "0"

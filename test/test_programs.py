@@ -67,39 +67,63 @@ def test_program_fuses_and_matches_eager(name):
 
 
 def test_diff_attention_combines_the_head_pair_in_one_kernel():
-    """One program runs both softmaxes of a head pair (V's head read in place by both) and adds A0·V − λ·A1·V into
-    one output tile; the first head's weighted result waits in a partial-sum buffer of the output's size that the
-    same program reads back: no per-head output buffer, only the output, the partial sum and the two coefficients."""
+    """One program runs both softmaxes of a head pair in one loop over the column tiles: two QKᵀ dots, one V tile
+    (V's head read in place) for both P·V dots, two running states; after the loop it adds A0·V − λ·A1·V into one
+    output tile. No per-head output or partial-sum buffer: only the output and the two coefficients."""
     program = programs.PROGRAMS["diff_attention"]
     inputs = program.inputs(**program.cpu_size)
     out, code = compile_on_cpu(program.fn, inputs, combine_head_groups_in_kernel=True)
     testing.assert_close_to_reference(out, program.fn(**float64(inputs)))
     testing.check_kernels(code, kernels=2, extern_calls=0)  # + one two-element kernel: the coefficients 1 and -λ
     kernel = fused_kernel(code)
+    FileCheck().check("for start_n in range(first_n, end_n, BLOCK_N)").check("scores0 = tl.dot(q0, kt0").check(
+        "alpha0 = tl.exp2("
+    ).check("scores1 = tl.dot(q1, kt1").check("alpha1 = tl.exp2(").check_count("v = tl.load(", 1, exactly=True).check(
+        "acc0 = tl.dot(p0, v, acc0 * alpha0"
+    ).check("acc1 = tl.dot(p1, v, acc1 * alpha1").check("acc0 = acc0 / l_i0").check("acc1 = acc1 / l_i1").check(
+        "acc = tl.load(COEF + 0"
+    ).check("acc += tl.load(COEF + 1").check_not("partial").check_not("debug_barrier").run(kernel)
+    FileCheck().check_count("tl.dot(", program.dots * testing.column_tile_loops(kernel), exactly=True).run(kernel)
+    allocated = sorted(testing.allocated_buffer_numels(code))
+    assert allocated[-1:] == [out.numel()] and sum(allocated[:-1]) <= 4, allocated
+
+
+def test_diff_attention_heads_run_in_turn_without_the_shared_pass():
+    """With ``share_v_tile_in_head_groups`` off (and where the accumulators would not fit), the program runs the two
+    heads in turn; the first head's weighted result waits in a partial-sum buffer of the output's size that the same
+    program reads back."""
+    program = programs.PROGRAMS["diff_attention"]
+    inputs = program.inputs(**program.cpu_size)
+    with config.patch(share_v_tile_in_head_groups=False):
+        out, code = compile_on_cpu(program.fn, inputs, combine_head_groups_in_kernel=True)
+    testing.assert_close_to_reference(out, program.fn(**float64(inputs)))
+    testing.check_kernels(code, kernels=2, extern_calls=0)
+    kernel = fused_kernel(code)
     FileCheck().check("for group in tl.static_range(GROUPS)").check("alpha = tl.exp2(").check(
         "acc = tl.dot(p, v, acc * alpha"
     ).check("acc = acc / l_i").check("acc = tl.load(COEF").check("if group > 0:").check("tl.debug_barrier()").check(
         "acc += tl.load(partial_tile"
     ).check("if group < GROUPS - 1:").check("tl.store(partial_tile").run(kernel)
-    FileCheck().check_count("tl.dot(", program.dots * testing.column_tile_loops(kernel), exactly=True).run(kernel)
+    FileCheck().check_count("tl.dot(", 2, exactly=True).run(kernel)
     allocated = sorted(testing.allocated_buffer_numels(code))
     assert allocated[-2:] == [out.numel(), out.numel()] and sum(allocated[:-2]) <= 4, allocated
 
 
 def test_diff_attention_written_with_two_matmuls_combines_in_one_kernel():
     """``A0 @ V − λ·(A1 @ V)``: the two output matmuls share V and λ is constant along Dv, so they factor into
-    ``(A0 − λ·A1) @ V``, which distributes over the head pair as above: one attention kernel runs both heads (V read
-    once per program), no per-head output buffer."""
+    ``(A0 − λ·A1) @ V``, which distributes over the head pair as above: one attention kernel runs both heads in one
+    pass (each V tile loaded once), no per-head output buffer."""
     program = programs.PROGRAMS["diff_attention_two_matmuls"]
     inputs = program.inputs(**program.cpu_size)
     out, code = compile_on_cpu(program.fn, inputs, combine_head_groups_in_kernel=True)
     testing.assert_close_to_reference(out, program.fn(**float64(inputs)))
     testing.check_kernels(code, kernels=2, extern_calls=0)
     assert counters["inductor"]["flashlight_attention_fused"] == 1
-    FileCheck().check("for group in tl.static_range(GROUPS)").check("acc = tl.dot(p, v, acc * alpha").check(
-        "acc = tl.load(COEF").check("acc += tl.load(partial_tile").run(fused_kernel(code))
+    FileCheck().check_count("v = tl.load(", 1, exactly=True).check("acc0 = tl.dot(p0, v, acc0 * alpha0").check(
+        "acc1 = tl.dot(p1, v, acc1 * alpha1"
+    ).check("acc += tl.load(COEF + 1").run(fused_kernel(code))
     allocated = sorted(testing.allocated_buffer_numels(code))
-    assert allocated[-2:] == [out.numel(), out.numel()] and sum(allocated[:-2]) <= 4, allocated
+    assert allocated[-1:] == [out.numel()] and sum(allocated[:-1]) <= 4, allocated
 
 
 def diff_attention_two_values(q, k, v, lam):
@@ -172,7 +196,7 @@ def test_diff_attention_whose_output_matmul_is_an_mm_combines_in_one_kernel():
     out, code = compile_on_cpu(diff_attention_one_pair_in_2d, inputs, combine_head_groups_in_kernel=True)
     testing.assert_close_to_reference(out, diff_attention_one_pair_in_2d(**float64(inputs)))
     assert counters["inductor"]["flashlight_attention_fused"] == 1
-    FileCheck().check("for group in tl.static_range(GROUPS)").check("acc += tl.load(partial_tile").run(fused_kernel(code))
+    FileCheck().check("acc1 = tl.dot(p1, v, acc1 * alpha1").check("acc += tl.load(COEF + 1").run(fused_kernel(code))
     assert all(n < 2 * 21 * 21 for n in testing.allocated_buffer_numels(code)), "a buffer as large as the scores exists"
 
 
