@@ -88,13 +88,14 @@ def test_diff_attention_combines_the_head_pair_in_one_kernel():
     assert allocated[-1:] == [out.numel()] and sum(allocated[:-1]) <= 4, allocated
 
 
-def test_diff_attention_heads_run_in_turn_without_the_shared_pass():
-    """With ``share_v_tile_in_head_groups`` off (and where the accumulators would not fit), the program runs the two
-    heads in turn; the first head's weighted result waits in a partial-sum buffer of the output's size that the same
-    program reads back."""
+@pytest.mark.parametrize("patch", [dict(share_v_tile_in_head_groups=False), dict(shared_v_max_accumulator_columns=32)])
+def test_diff_attention_heads_run_in_turn_without_the_shared_pass(patch):
+    """With ``share_v_tile_in_head_groups`` off, or where the two accumulators would not fit (2 × Dv 32 columns
+    against a limit of 32 here; head dim 128 on the GPU), the program runs the two heads in turn; the first head's
+    weighted result waits in a partial-sum buffer of the output's size that the same program reads back."""
     program = programs.PROGRAMS["diff_attention"]
     inputs = program.inputs(**program.cpu_size)
-    with config.patch(share_v_tile_in_head_groups=False):
+    with config.patch(**patch):
         out, code = compile_on_cpu(program.fn, inputs, combine_head_groups_in_kernel=True)
     testing.assert_close_to_reference(out, program.fn(**float64(inputs)))
     testing.check_kernels(code, kernels=2, extern_calls=0)
@@ -124,6 +125,27 @@ def test_diff_attention_written_with_two_matmuls_combines_in_one_kernel():
     ).check("acc += tl.load(COEF + 1").run(fused_kernel(code))
     allocated = sorted(testing.allocated_buffer_numels(code))
     assert allocated[-1:] == [out.numel()] and sum(allocated[:-1]) <= 4, allocated
+
+
+def four_heads_one_value(q, k, v, lam):
+    b, four_h, m, d = q.shape
+    w = torch.softmax(q @ k.transpose(-1, -2) * d**-0.5, dim=-1).view(b, four_h // 4, 4, m, k.shape[-2])
+    return (w[:, :, 0] - lam * w[:, :, 1] + lam * lam * w[:, :, 2] - 0.5 * w[:, :, 3]) @ v
+
+
+def test_a_group_of_four_heads_shares_one_pass():
+    """Any number of heads that read one V share the pass while their accumulators fit (4 × Dv 32 here): four Q·Kᵀ
+    and four P·V dots in one loop, one V load, the four coefficients applied after it."""
+    inputs = programs.diff_inputs(B=2, H=8, S=29, D=16)
+    inputs["v"] = torch.randn(2, 2, 29, 32)
+    out, code = compile_on_cpu(four_heads_one_value, inputs, combine_head_groups_in_kernel=True)
+    testing.assert_close_to_reference(out, four_heads_one_value(**float64(inputs)))
+    kernel = fused_kernel(code)
+    FileCheck().check_count("v = tl.load(", 1, exactly=True).check("acc3 = tl.dot(p3, v, acc3 * alpha3").check(
+        "acc += tl.load(COEF + 3"
+    ).run(kernel)
+    FileCheck().check_count("tl.dot(", 8, exactly=True).run(kernel)
+    assert testing.column_tile_loops(kernel) == 1
 
 
 def diff_attention_two_values(q, k, v, lam):
