@@ -229,12 +229,12 @@ PROGRAMS = {
         # One program runs both heads of a pair in one loop over the column tiles (two QKᵀ dots, one V tile for two
         # P·V dots) and subtracts the two halves; the second kernel is one small pointwise kernel building the
         # coefficients (1, -λ). With config.combine_head_groups_in_kernel off, a pointwise kernel over the per-head
-        # outputs subtracts instead. The causal form runs the two heads in turn (two dots per loop).
+        # outputs subtracts instead. The causal form shares its loops the same way.
         Program("diff_attention", diff_attention, diff_inputs, diff_flops, kernels=2, dots=4,
                 cpu_size=dict(B=2, H=4, S=37, D=16), gpu_sizes=_DIFF_SIZES),
         Program("diff_attention_two_matmuls", diff_attention_two_matmuls, diff_inputs, diff_flops, kernels=2, dots=4,
                 cpu_size=dict(B=2, H=4, S=37, D=16), gpu_sizes=_DIFF_SIZES),
-        Program("diff_transformer_causal", diff_transformer_causal, diff_inputs, diff_causal_flops, kernels=2, dots=2,
+        Program("diff_transformer_causal", diff_transformer_causal, diff_inputs, diff_causal_flops, kernels=2, dots=4,
                 cpu_size=dict(B=2, H=4, S=37, D=16), gpu_sizes=_DIFF_SIZES),
         Program("evoformer_row_attention", evoformer_row_attention, evoformer_inputs, evoformer_flops, kernels=1,
                 dots=2, cpu_size=dict(B=1, N_seq=3, S=21, H=2, D=16),

@@ -35,25 +35,36 @@ def logit_scale(kernel, name="LOGIT_SCALE"):
     return float(re.search(rf"\b{name} : tl.constexpr = (\S+)", kernel)[1])
 
 
-def test_guarded_chain_runs_its_loops_without_the_guards():
+@pytest.mark.parametrize("shared", [True, False])
+def test_guarded_chain_runs_its_loops_without_the_guards(shared):
     """The DIFF Transformer's code: the visible tiles' loop has no compare and no where (its mask and its guards are
-    gone, 1/√d joins exp2), the partial tiles' loop only its mask; the guards run after the check, with the scale."""
+    gone, 1/√d joins exp2), the partial tiles' loop only its mask; the guards run after the check, with the scale.
+    Its head pairs share one pass (``share_v_tile_in_head_groups``; names suffixed by the head), or run in turn: a
+    row tile either head fails runs again for both."""
     inputs = PROGRAM.inputs(B=1, H=2, S=200, D=16)
-    out, code = compile_on_cpu(PROGRAM.fn, inputs)
+    out, code = compile_on_cpu(PROGRAM.fn, inputs, share_v_tile_in_head_groups=shared)
     testing.assert_close_to_reference(out, PROGRAM.fn(**{k: v.double() for k, v in inputs.items()}))
     kernel = fused_kernel(code)
     assert logit_scale(kernel) == pytest.approx(math.log2(math.e) / 4)
     assert logit_scale(kernel, "EXACT_LOGIT_SCALE") == pytest.approx(math.log2(math.e))
     fast, exact = kernel.split("speculation_failed = ")
     visible, partial = fast.split("for start_n in range(full_lo, full_hi")[1].split("for partial_n in")
+    heads = ["0", "1"] if shared else [""]
     for loop in (visible, partial):
-        FileCheck().check("scores = tl.dot(q, kt").check_not("isnan").check_not(" == ").check_not("* tmp").check(
-            "logits = tmp").run(loop)
+        for h in heads:
+            FileCheck().check(f"scores{h} = tl.dot(q{h}, kt{h}").check_not("isnan").check_not(" == ").check_not(
+                "* tmp").check(f"logits{h} = tmp").run(loop)
     FileCheck().check_not("tl.where(tmp").run(visible)
     FileCheck().check("tl.where(tmp").run(partial)
-    FileCheck().check("if tl.max(speculation_failed").check("for start_n in tl.range(first_n, end_n, BLOCK_N, num_stages=1)").check(
-        " == tmp").check("libdevice.isnan").check("row_scale").check("acc = tl.dot(p, v").check(
-        "acc = acc / l_i").run(exact)
+    check = FileCheck()
+    for h in heads:
+        check = check.check(f"(tl.abs(m_i{h}) < SPECULATION_MAX_BOUND)")
+    check.check("if tl.max(speculation_failed").check("for start_n in tl.range(first_n, end_n, BLOCK_N, num_stages=1)")
+    for h in heads:
+        check = check.check(" == tmp").check("libdevice.isnan").check("row_scale")
+    for h in heads:
+        check = check.check(f"acc{h} = tl.dot(p{h}, v")
+    check.check(f"acc{heads[0]} = acc{heads[0]} / l_i{heads[0]}").run(exact)
 
 
 def _with_non_finite_scores(inputs, kind):
@@ -142,10 +153,12 @@ def test_guards_written_by_hand_are_speculated(fn):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_guards_on_16_bit_scores_are_speculated(dtype):
     """In 16-bit the decomposed ``nan_to_num`` tests the scores widened to float32 for infinity and the scores
-    themselves for NaN: one guard of one value all the same."""
+    themselves for NaN: one guard of one value all the same (the head pair shares one pass: both heads' chains)."""
     inputs = _with_non_finite_scores(PROGRAM.inputs(B=1, H=2, S=96, D=8, dtype=dtype), "infinite_rows")
     out, code = compile_on_cpu(PROGRAM.fn, inputs)
     testing.assert_close_to_reference(out, PROGRAM.fn(**{name: t.float() for name, t in inputs.items()}))
     fast, exact = fused_kernel(code).split("speculation_failed = ")
-    FileCheck().check("scores = tl.dot(q, kt").check_not("isnan").check("logits = tmp").run(fast)
+    FileCheck().check("scores0 = tl.dot(q0, kt0").check_not("isnan").check("logits0 = tmp").check(
+        "scores1 = tl.dot(q1, kt1"
+    ).check_not("isnan").check("logits1 = tmp").run(fast)
     FileCheck().check("libdevice.isnan").run(exact)

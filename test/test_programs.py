@@ -174,14 +174,16 @@ def test_diff_transformer_code_skips_the_future_tiles():
     """The reference code's ``triu`` of -inf is built in the forward from positions: the kernel scans for the last
     visible column tile (causal skipping), runs the entirely visible tiles without the mask, and applies
     ``nan_to_num`` only in the loop that runs when the speculation on finite scores fails
-    (``test_finite_speculation.py``)."""
+    (``test_finite_speculation.py``); both heads of a pair share each loop."""
     program = programs.PROGRAMS["diff_transformer_causal"]
     inputs = program.inputs(B=1, H=2, S=300, D=16)
     out, code = compile_on_cpu(program.fn, inputs)
     testing.assert_close_to_reference(out, program.fn(**float64(inputs)))
     FileCheck().check("for scan_n in range(").check("for start_n in range(full_lo, full_hi").check(
         "for partial_n in tl.range(").check_not("libdevice.isnan").check("speculation_failed = ").check(
-        "for start_n in tl.range(first_n, end_n").check("libdevice.isnan").check("acc = tl.dot(p, v").run(fused_kernel(code))
+        "for start_n in tl.range(first_n, end_n").check("libdevice.isnan").check("acc0 = tl.dot(p0, v").check(
+        "acc1 = tl.dot(p1, v"
+    ).run(fused_kernel(code))
 
 
 def diff_attention_per_head_lambda(q, k, v, lam):

@@ -217,27 +217,37 @@ SOFTMAX_FINISH = """# Normalise once, after the loop (a row whose logits were al
     acc = acc / l_i[:, None]"""
 
 # Speculation (fx_passes/finite_speculation.py): the loops ran a chain without its guards against NaN and infinity.
+ROW_MET_NO_GUARD = """~((l_i > 0.0) & (l_i < float("inf")) & (tl.abs(m_i) < SPECULATION_MAX_BOUND))"""
+
 SPECULATION_CHECK = """
     # The loops above ran the chain without its guards against NaN and infinity, which change no finite score. A row
     # whose running max stayed moderate and whose sum finite and positive met none (a -inf weighs 0 with or without
     # them); otherwise this row tile runs again with the whole chain.
-    speculation_failed = ~((l_i > 0.0) & (l_i < float("inf")) & (tl.abs(m_i) < SPECULATION_MAX_BOUND))
+    speculation_failed = ROW_MET_NO_GUARD
     if tl.max(speculation_failed.to(tl.int32), 0) > 0:
         STATE
         EXACT_LOOP"""
 
 
-def _speculation_check(exact_subgraph: int) -> str:
+def _speculation_check(exact_subgraph: int, shared_heads: int = 0) -> str:
     """The check after the loops, and the loop over the same tiles that runs the whole chain (``exact_subgraph``)
     from a fresh state, in the logits' own units (the guards' ±FLT_MAX must not overflow once scaled). That loop is
-    not pipelined: it rarely runs, and its stages' buffers would cost the loops above shared memory."""
-    accumulate = SOFTMAX_ACCUMULATE.replace("LOAD_V", LOAD_V).replace("RUNNING_MAX_AND_P", RUNNING_MAX_AND_P_WIDE)
-    exact_loop = (
-        N_LOOP.replace("range(START, END, BLOCK_N)", "tl.range(first_n, end_n, BLOCK_N, num_stages=1)")
-        .replace("CHAIN", str(exact_subgraph)).replace("ACCUMULATE", accumulate)
-        .replace("LOGIT_SCALE", "EXACT_LOGIT_SCALE")
-    )
-    return SPECULATION_CHECK.replace("STATE", _deeper(SOFTMAX_STATE)).replace("EXACT_LOOP", _deeper(exact_loop))
+    not pipelined: it rarely runs, and its stages' buffers would cost the loops above shared memory. With
+    ``shared_heads``, for the heads of a shared pass (``SHARED_V_INTRO``): a row tile any of them failed runs again
+    for all of them."""
+    exact_loop = N_LOOP.replace("range(START, END, BLOCK_N)", "tl.range(first_n, end_n, BLOCK_N, num_stages=1)")
+    exact_loop = exact_loop.replace("CHAIN", str(exact_subgraph))
+    state, check = SOFTMAX_STATE, SPECULATION_CHECK
+    if shared_heads:
+        exact_loop = _shared_tiles(exact_loop, shared_heads, RUNNING_MAX_AND_P_WIDE)
+        state = "\n    ".join(_for_head(SOFTMAX_STATE, g) for g in range(shared_heads))
+        check = check.replace("ROW_MET_NO_GUARD", " | ".join(_for_head(ROW_MET_NO_GUARD, g) for g in range(shared_heads)))
+    else:
+        accumulate = SOFTMAX_ACCUMULATE.replace("LOAD_V", LOAD_V).replace("RUNNING_MAX_AND_P", RUNNING_MAX_AND_P_WIDE)
+        exact_loop = exact_loop.replace("ACCUMULATE", accumulate)
+    exact_loop = exact_loop.replace("LOGIT_SCALE", "EXACT_LOGIT_SCALE")
+    check = check.replace("ROW_MET_NO_GUARD", ROW_MET_NO_GUARD)
+    return check.replace("STATE", _deeper(state)).replace("EXACT_LOOP", _deeper(exact_loop))
 
 
 def _deeper(source: str, first_line: bool = False) -> str:
@@ -472,25 +482,37 @@ def _for_head(source: str, group: int) -> str:
     return "\n".join(lines)
 
 
-def _shared_v_heads(groups: int, state: str, running_max_and_p: str, offsets: Any) -> str:
-    """The shared pass over the column tiles for the ``groups`` heads of one group (``SHARED_V_INTRO``), leaving
-    their combination, Σ_g COEF[g]·acc_g, in acc. ``offsets`` puts the operands' batch offsets into a source."""
-    operands = offsets(ONE_HEAD.split("\n\n    ROW_STATE")[0].replace("    v_base = V + BATCH_OFFSET_V\n", ""))
+def _shared_tiles(loops: str, groups: int, running_max_and_p: str) -> str:
+    """Single-head column loops (``N_LOOP``s with their ACCUMULATE site) doing each tile's work for every head of
+    a shared pass: each head's scores, chain and softmax update, one V tile, each head's P·V."""
     update = "        " + SOFTMAX_UPDATE.replace("RUNNING_MAX_AND_P", running_max_and_p)
+
+    def tile_work(found: "re.Match[str]") -> str:
+        chain = TILE_SCORES.replace("CHAIN", found[1])
+        scores = "".join(_for_head(chain + update + "\n", g) for g in range(groups))
+        shared_v = "\n    " + SHARED_V_LOOP.replace("V_TILE", V_TILE)
+        return scores + shared_v + "".join("        " + _for_head(P_CAST + PV_UPDATE, g) + "\n" for g in range(groups))
+
+    site = re.escape(TILE_SCORES).replace("CHAIN", r"(\d+)") + re.escape("        ACCUMULATE\n")
+    return re.sub(site, tile_work, loops)
+
+
+def _shared_v_heads(groups: int, state: str, running_max_and_p: str, offsets: Any, tile_range: str, loops: str) -> str:
+    """The shared pass over the column tiles for the ``groups`` heads of one group (``SHARED_V_INTRO``), leaving
+    their combination, Σ_g COEF[g]·acc_g, in acc. ``offsets`` puts the operands' batch offsets into a source;
+    ``tile_range`` and ``loops`` are the single-head pass's (its speculation check already shared)."""
+    operands = offsets(ONE_HEAD.split("\n\n    ROW_STATE")[0].replace("    v_base = V + BATCH_OFFSET_V\n", ""))
     heads = range(groups)
     head_z = "    fl_z = (out_z * GROUPS + {g}).to(POSITION_DTYPE)\n"
     setup = "\n".join(_for_head(head_z.format(g=g) + operands + "\n\n    " + state + "\n", g) for g in heads)
     v_base = "\n" + _for_head(offsets("    v_base = V + BATCH_OFFSET_V\n"), 0)
-    loop = "    " + ALL_TILES + "\n    " + TILE_COLUMNS.replace("START", "first_n").replace("END", "end_n")
-    scores = "".join(_for_head(TILE_SCORES.replace("CHAIN", "0") + update + "\n", g) for g in heads)
-    shared_v = "\n    " + SHARED_V_LOOP.replace("V_TILE", V_TILE)
-    accumulate = "".join("        " + _for_head(P_CAST + PV_UPDATE, g) + "\n" for g in heads)
+    loop = "    " + tile_range + "\n    " + _shared_tiles(loops, groups, running_max_and_p)
     finish = "".join("    " + _for_head(SOFTMAX_FINISH, g).strip() + "\n" for g in heads)
     coefficient = 'tl.load(COEF + {g} * {{{{stride("COEF", 0)}}}}).to(tl.float32)'
     combination = "    # The group's combination, in registers.\n" + "".join(
         f"    acc {'=' if g == 0 else '+='} {coefficient.format(g=g)} * acc{g}\n" for g in heads
     )
-    return SHARED_V_INTRO + setup + v_base + loop + scores + shared_v + accumulate + "\n" + finish + combination
+    return SHARED_V_INTRO + setup + v_base + loop + "\n" + finish + combination
 
 
 @functools.lru_cache(maxsize=None)
@@ -515,7 +537,7 @@ def online_softmax_attention_template(
     its row and column ids, or None), mask tensor (the subgraph of its cell states, or None) and whether logits
     may come near -FLT_MAX (``RUNNING_MAX_AND_P_WIDE``), and the subgraph of the whole chain when the loops run
     it without its finite guards (``SPECULATION_CHECK``), or None; ``shared_v``: the heads of a group share one
-    pass (``SHARED_V_INTRO``; plain softmax over all tiles only)."""
+    pass (``SHARED_V_INTRO``; a softmax with no sink, pair reduction, id mask or mask table)."""
     names = ["Q", "KT", "V", "SINK"][: len(batch_ranks)] + (["COEF", "PARTIAL"] if groups > 1 else [])
     if shared_v:
         names.remove("PARTIAL")
@@ -531,7 +553,7 @@ def online_softmax_attention_template(
     tile_range = _tile_range(masked_tile_code, visible_tile_code, id_subgraphs, table_subgraph)
     loops = ONE_LOOP if visible_tile_code is None else SPLIT_LOOPS
     if exact_subgraph is not None:
-        loops += _speculation_check(exact_subgraph)
+        loops += _speculation_check(exact_subgraph, shared_heads=groups if shared_v else 0)
     one_head = (
         ONE_HEAD.replace("N_LOOPS", loops)
         .replace("ROW_STATE", state)
@@ -547,10 +569,10 @@ def online_softmax_attention_template(
 
     one_head = with_offsets(one_head)
     if shared_v:
-        assert softmax and groups > 1 and tile_range == ALL_TILES and pair_rank is None and exact_subgraph is None
+        assert softmax and groups > 1 and id_subgraphs is None and table_subgraph is None and pair_rank is None
         assert "SINK" not in names
         running_max_and_p = RUNNING_MAX_AND_P_WIDE if wide_logits else RUNNING_MAX_AND_P
-        heads = _shared_v_heads(groups, state, running_max_and_p, with_offsets)
+        heads = _shared_v_heads(groups, state, running_max_and_p, with_offsets, tile_range, with_offsets(loops))
     elif groups == 1:
         heads = "    fl_z = out_z.to(POSITION_DTYPE)\n" + one_head
     else:
@@ -861,14 +883,14 @@ def online_softmax_attention_with_pair_sum_lowering(q, kt, v, captured, sink, ch
 
 
 def _shares_v_tile(chain: Any, groups: int, operands: Sequence[Any], dv: Any, plain_operands: bool) -> bool:
-    """Whether the heads of a group can share one pass (``SHARED_V_INTRO``): a plain softmax over every column tile
-    (no sink, pair reduction, mask-derived tile range or speculation), a V whose offset is the same for each head of
-    a group (its innermost batch dim has stride 0 and spans whole groups), and accumulators that fit in registers."""
+    """Whether the heads of a group can share one pass (``SHARED_V_INTRO``): a softmax with no sink or pair
+    reduction whose tile range depends on positions only (no id mask or mask table), a V whose offset is the same for
+    each head of a group (its innermost batch dim has stride 0 and spans whole groups), and accumulators that fit in
+    registers."""
     if not (overlay_config.share_v_tile_in_head_groups and plain_operands and chain.softmax):
         return False
-    derived_ranges = (chain.masked_tile_code, chain.unmasked_graph_module, chain.id_graph_modules, chain.mask_table_module)
-    if any(part is not None for part in derived_ranges) or chain.exact_graph_module is not None:
-        return False
+    if chain.id_graph_modules is not None or chain.mask_table_module is not None:
+        return False  # the tile range would depend on the head's batch entry
     v = operands[2]
     batch_sizes, batch_strides = v.get_size()[:-2], v.get_stride()[:-2]
     if not batch_sizes or not V.graph.sizevars.statically_known_equals(batch_strides[-1], 0):
