@@ -416,7 +416,8 @@ VISIBLE_RANGE_STATE = """
 
 
 # Heads whose outputs the user combines linearly (DiffAttn's A0·V − λ·A1·V, distributed by
-# fx_passes/head_combination.py): one program runs the pass for each head of its group in turn (the group loop is
+# fx_passes/head_combination.py), where their accumulators do not fit together for the shared pass below (head dim
+# 128): one program runs the pass for each head of its group in turn (the group loop is
 # unrolled) and adds the normalised result, times the head's coefficient, into a partial sum. Until the last head
 # the partial sum waits in PARTIAL, rows this program alone writes and reads back, not in registers: held there
 # through the next head's loop it doubled the live accumulators and spilled at head dim 128. It is rounded to the
