@@ -87,16 +87,21 @@ ATTENTION_HEAD = r"""
 """
 
 # One head: the online-softmax pass over the column tiles for batch entry fl_z, leaving its result in acc.
-ONE_HEAD = r"""    # Each operand keeps its own batch dims and strides (transposed, expanded for GQA, ...): no copies.
+Q_AND_KT_BASES = r"""    # Each operand keeps its own batch dims and strides (transposed, expanded for GQA, ...): no copies.
     q_base = Q + BATCH_OFFSET_Q
     kt_base = KT + BATCH_OFFSET_KT
-    v_base = V + BATCH_OFFSET_V
-    # The Q tile stays in registers for the whole N loop (the D loop is eliminated: D is one tile).
+"""
+
+V_BASE = "    v_base = V + BATCH_OFFSET_V\n"
+
+Q_TILE = r"""    # The Q tile stays in registers for the whole N loop (the D loop is eliminated: D is one tile).
     q = tl.load(q_base + offs_m[:, None] * {{stride("Q", -2)}} + offs_d[None, :] * {{stride("Q", -1)}},
                 mask=row_in_bounds & (offs_d[None, :] < D), other=0.0)
     if UPCAST_DOT_OPERANDS:
         q = q.to(tl.float32)
+"""
 
+ONE_HEAD = Q_AND_KT_BASES + V_BASE + Q_TILE + r"""
     ROW_STATE
 
     TILE_RANGE
@@ -237,16 +242,16 @@ def _speculation_check(exact_subgraph: int, shared_heads: int = 0) -> str:
     for all of them."""
     exact_loop = N_LOOP.replace("range(START, END, BLOCK_N)", "tl.range(first_n, end_n, BLOCK_N, num_stages=1)")
     exact_loop = exact_loop.replace("CHAIN", str(exact_subgraph))
-    state, check = SOFTMAX_STATE, SPECULATION_CHECK
     if shared_heads:
         exact_loop = _shared_tiles(exact_loop, shared_heads, RUNNING_MAX_AND_P_WIDE)
-        state = "\n    ".join(_for_head(SOFTMAX_STATE, g) for g in range(shared_heads))
-        check = check.replace("ROW_MET_NO_GUARD", " | ".join(_for_head(ROW_MET_NO_GUARD, g) for g in range(shared_heads)))
     else:
         accumulate = SOFTMAX_ACCUMULATE.replace("LOAD_V", LOAD_V).replace("RUNNING_MAX_AND_P", RUNNING_MAX_AND_P_WIDE)
         exact_loop = exact_loop.replace("ACCUMULATE", accumulate)
     exact_loop = exact_loop.replace("LOGIT_SCALE", "EXACT_LOGIT_SCALE")
-    check = check.replace("ROW_MET_NO_GUARD", ROW_MET_NO_GUARD)
+    states = [_for_head(SOFTMAX_STATE, g) for g in range(shared_heads)] or [SOFTMAX_STATE]
+    row_checks = [_for_head(ROW_MET_NO_GUARD, g) for g in range(shared_heads)] or [ROW_MET_NO_GUARD]
+    state = "\n    ".join(states)
+    check = SPECULATION_CHECK.replace("ROW_MET_NO_GUARD", " | ".join(row_checks))
     return check.replace("STATE", _deeper(state)).replace("EXACT_LOOP", _deeper(exact_loop))
 
 
@@ -502,11 +507,11 @@ def _shared_v_heads(groups: int, state: str, running_max_and_p: str, offsets: An
     """The shared pass over the column tiles for the ``groups`` heads of one group (``SHARED_V_INTRO``), leaving
     their combination, Σ_g COEF[g]·acc_g, in acc. ``offsets`` puts the operands' batch offsets into a source;
     ``tile_range`` and ``loops`` are the single-head pass's (its speculation check already shared)."""
-    operands = offsets(ONE_HEAD.split("\n\n    ROW_STATE")[0].replace("    v_base = V + BATCH_OFFSET_V\n", ""))
+    operands = offsets(Q_AND_KT_BASES + Q_TILE)
     heads = range(groups)
     head_z = "    fl_z = (out_z * GROUPS + {g}).to(POSITION_DTYPE)\n"
-    setup = "\n".join(_for_head(head_z.format(g=g) + operands + "\n\n    " + state + "\n", g) for g in heads)
-    v_base = "\n" + _for_head(offsets("    v_base = V + BATCH_OFFSET_V\n"), 0)
+    setup = "\n".join(_for_head(head_z.format(g=g) + operands + "\n    " + state + "\n", g) for g in heads)
+    v_base = "\n" + _for_head(offsets(V_BASE), 0)
     loop = "    " + tile_range + "\n    " + _shared_tiles(loops, groups, running_max_and_p)
     finish = "".join("    " + _for_head(SOFTMAX_FINISH, g).strip() + "\n" for g in heads)
     coefficient = 'tl.load(COEF + {g} * {{{{stride("COEF", 0)}}}}).to(tl.float32)'
@@ -539,9 +544,8 @@ def online_softmax_attention_template(
     may come near -FLT_MAX (``RUNNING_MAX_AND_P_WIDE``), and the subgraph of the whole chain when the loops run
     it without its finite guards (``SPECULATION_CHECK``), or None; ``shared_v``: the heads of a group share one
     pass (``SHARED_V_INTRO``; a softmax with no sink, pair reduction, id mask or mask table)."""
-    names = ["Q", "KT", "V", "SINK"][: len(batch_ranks)] + (["COEF", "PARTIAL"] if groups > 1 else [])
-    if shared_v:
-        names.remove("PARTIAL")
+    names = ["Q", "KT", "V", "SINK"][: len(batch_ranks)] + (["COEF"] if groups > 1 else [])
+    names += ["PARTIAL"] if groups > 1 and not shared_v else []
     if not softmax:
         state, accumulate, finish = LINEAR_STATE, LINEAR_ACCUMULATE, LINEAR_FINISH
     else:
@@ -555,29 +559,30 @@ def online_softmax_attention_template(
     loops = ONE_LOOP if visible_tile_code is None else SPLIT_LOOPS
     if exact_subgraph is not None:
         loops += _speculation_check(exact_subgraph, shared_heads=groups if shared_v else 0)
-    one_head = (
-        ONE_HEAD.replace("N_LOOPS", loops)
-        .replace("ROW_STATE", state)
-        .replace("ACCUMULATE", accumulate.replace("LOAD_V", LOAD_V))
-        .replace("RUNNING_MAX_AND_P", RUNNING_MAX_AND_P_WIDE if wide_logits else RUNNING_MAX_AND_P)
-        .replace("FINISH", finish)
-        .replace("TILE_RANGE", tile_range)
-    )
+    running_max_and_p = RUNNING_MAX_AND_P_WIDE if wide_logits else RUNNING_MAX_AND_P
+
     def with_offsets(source: str) -> str:
         for name, rank in zip(names, batch_ranks):
             source = source.replace(f"BATCH_OFFSET_{name}\n", f"{_batch_offset(name, rank)}\n")
         return source
 
-    one_head = with_offsets(one_head)
     if shared_v:
         assert softmax and groups > 1 and id_subgraphs is None and table_subgraph is None and pair_rank is None
         assert "SINK" not in names
-        running_max_and_p = RUNNING_MAX_AND_P_WIDE if wide_logits else RUNNING_MAX_AND_P
-        heads = _shared_v_heads(groups, state, running_max_and_p, with_offsets, tile_range, with_offsets(loops))
-    elif groups == 1:
-        heads = "    fl_z = out_z.to(POSITION_DTYPE)\n" + one_head
+        heads = _shared_v_heads(groups, state, running_max_and_p, with_offsets, tile_range, loops)
     else:
-        heads = GROUPED_HEADS.replace("ONE_HEAD", _deeper(one_head, first_line=True))
+        one_head = with_offsets(
+            ONE_HEAD.replace("N_LOOPS", loops)
+            .replace("ROW_STATE", state)
+            .replace("ACCUMULATE", accumulate.replace("LOAD_V", LOAD_V))
+            .replace("RUNNING_MAX_AND_P", running_max_and_p)
+            .replace("FINISH", finish)
+            .replace("TILE_RANGE", tile_range)
+        )
+        if groups == 1:
+            heads = "    fl_z = out_z.to(POSITION_DTYPE)\n" + one_head
+        else:
+            heads = GROUPED_HEADS.replace("ONE_HEAD", _deeper(one_head, first_line=True))
     source = ATTENTION_HEAD.replace("INPUT_NAMES", ", ".join(f'"{name}"' for name in names)) + heads + _attention_tail(output_batch)
     return _template_of(source)
 
@@ -679,8 +684,8 @@ def kernel_configs(
     elif max(d, dv) <= 64:
         shapes = [(64, 64, 4, 3), (128, 64, 8, 3), (128, 128, 4, 3)]
     elif d <= 64 and dv <= 128:
-        # DiffAttn's head pairs: four stages, by 4% at 32×32×512×64 and 4×32×4096×64
-        # (h100_2026-11-24_causal_diff_warps/stages_sweep.txt).
+        # DiffAttn's head pairs run in turn (the shared pass off or declined): four stages, by 4% at 32×32×512×64
+        # and 4×32×4096×64 (h100_2026-11-24_causal_diff_warps/stages_sweep.txt).
         shapes = [(128, 64, 4, 4), (64, 64, 4, 3), (128, 128, 8, 3)]
         # DiffAttn under a causal mask (three column loops with the speculation fallback): 8 warps, by 12% at
         # 4×32×4096×64 and 44% at 32×32×512×64 (h100_2026-11-24_causal_diff_warps/).
