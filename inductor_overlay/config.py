@@ -50,6 +50,11 @@ vector_tile_scan: bool = os.environ.get("FLASHLIGHT_VECTOR_TILE_SCAN", "1") != "
 # (none / some / all masked) that the block-skipping pre-pass reads, as FlexAttention's BlockMask but derived.
 mask_tensor_tables: bool = os.environ.get("FLASHLIGHT_MASK_TENSOR_TABLES", "1") != "0"
 
+# The table of an additive mask the graph computes (HF's causal-and-padding mask) evaluates only the first row of a
+# block of 32 rows where the bias provably varies along the rows only through position formulas that are constant
+# over the block (every block the causal diagonal does not cross), instead of every row.
+row_invariant_mask_blocks: bool = os.environ.get("FLASHLIGHT_ROW_INVARIANT_MASK_BLOCKS", "1") != "0"
+
 # A sum over at most this many elements of values that do not depend on the scores (IPA's squared distance
 # between query and key points) moves into the score chain, unrolled per tile element, instead of being
 # materialised as an M×N tensor the kernel reads.

@@ -151,6 +151,9 @@ class MaskSummary:
     graph_module: torch.fx.GraphModule  # (scores, *captured, *sizes) -> the bias; the scores are not read
     shape: tuple
     absorbing_gap: float
+    # Triton expression over a block's bounds (m_lo, m_hi, n_lo, n_hi), true where every row of the block holds the
+    # same bias (``block_sparsity.row_invariant_block_code``); None where that is not known.
+    row_invariant_when: Optional[str] = None
 
 
 MASK_SUMMARIES: dict[int, MaskSummary] = {}

@@ -69,6 +69,14 @@ def prefix_lm(q, k, v, prefix=10):
     return torch.softmax(torch.where((cols <= rows) | (cols < prefix), scores, float("-inf")), dim=-1) @ v
 
 
+def window_from_one_arange(q, k, v, width=9):
+    """One position vector for both sides: the mask's rows and columns are the same iota, unsqueezed two ways."""
+    position = torch.arange(q.shape[-2])
+    far = (position[:, None] - position[None, :]).abs() >= width
+    scores = q @ k.transpose(-2, -1) * 0.25
+    return torch.softmax(scores.masked_fill(far, float("-inf")), dim=-1) @ v
+
+
 def shifted_causal_with_empty_rows(q, k, v):
     rows = torch.arange(q.shape[-2])[:, None]
     cols = torch.arange(k.shape[-2])[None, :]
@@ -83,10 +91,14 @@ def shifted_causal_with_empty_rows(q, k, v):
         (window, "masked = ((((n_lo + (-1 * m_hi)) > 0) | ((-20 + m_lo + (-1 * n_hi)) >= 0))) | (n_lo >= N)"),
         (prefix_lm, "masked = ((((n_lo + (-1 * m_hi)) > 0) & ((-10 + n_lo) >= 0))) | (n_lo >= N)"),
         (shifted_causal_with_empty_rows, "masked = "),
+        (window_from_one_arange, "masked = (((-9 + tl.where((m_lo + (-1 * n_hi)) > 0, (m_lo + (-1 * n_hi)), tl.where((m_hi + (-1 * n_lo)) < 0, -((m_hi + (-1 * n_lo))), 0))) >= 0)) | (n_lo >= N)"),
     ],
-    ids=["causal", "sliding-window", "prefix-lm", "empty-rows"],
+    ids=["causal", "sliding-window", "prefix-lm", "empty-rows", "one-arange-window"],
 )
 def test_position_masks_skip_tiles_and_stay_exact(fn, skip_test):
+    """The mask's formula is read from where each position meets the scores, not from the shape the position vector
+    was made with: a window built from one ``arange`` used as both rows and columns gave the wrong formula before
+    (|n - n| ≥ 9, never masked, so the mask was dropped from every tile), a silent miscompile."""
     q, k, v = (torch.randn(1, 2, 70, 16) for _ in range(3))
     with testing.cpu_triton():
         out, code = testing.compile_and_get_code(fn, q, k, v)

@@ -5,6 +5,7 @@ vector, on ragged sizes, with NaN, ±inf and finfo.min in the bias."""
 import math
 
 import pytest
+import sympy
 import torch
 from torch._inductor.decomposition import select_decomp_table
 from torch.fx.experimental.proxy_tensor import make_fx
@@ -102,3 +103,114 @@ def test_computed_bias_is_never_written():
     assert (reference[2] == ops.CELL_MIXED).all()  # no key kept: nothing skipped, the rows average V
     assert (reference[1, 0, 0, 1:] == ops.CELL_SKIPPED).all()  # above the diagonal
     assert max(testing.allocated_buffer_numels(code)) <= 3 * 7 * 32 * 7
+
+
+def _traced_value(fn, captured):
+    """The traced graph's nodes and the node of its output, as the fusion pass sees a bias in the chain."""
+    traced = make_fx(fn, decomposition_table=select_decomp_table())(*captured)
+    nodes = list(traced.graph.nodes)
+    return nodes, nodes[-1].args[0][0] if isinstance(nodes[-1].args[0], (tuple, list)) else nodes[-1].args[0]
+
+
+def _formulas(fn, captured):
+    nodes, value = _traced_value(fn, captured)
+    return block_sparsity.row_position_formulas(value)
+
+
+_PAD = torch.ones(2, 60, dtype=torch.long)
+
+
+def _window_bias(mask):
+    position = torch.arange(60)
+    near = (position[:, None] - position[None, :]).abs() <= 8
+    return torch.where(near[None, None] & (mask[:, None, None, :] > 0), 0.0, LOWEST)
+
+
+def _row_padding_bias(mask):
+    return _hf_bias(mask, rows=60).masked_fill(mask[:, None, :, None] == 0, LOWEST)  # padded queries: per-row data
+
+
+def _distance_bias(mask):
+    position = torch.arange(60)
+    return -(position[:, None] - position[None, :]).abs().float()[None, None] + (mask[:, None, None, :] - 1) * 1e9
+
+
+def _transposed_causal_bias(mask):
+    position = torch.arange(60)
+    above = (position[:, None] > position[None, :]).T  # n > m, computed on the transposed grid
+    return torch.where(above[None, None] | (mask[:, None, None, :] == 0), LOWEST, 0.0)
+
+
+@pytest.mark.parametrize(
+    "fn, varies_through",
+    [
+        (lambda mask: _hf_bias(mask, rows=60), "n - m >= 1"),
+        (_window_bias, "Abs(m - n) <= 8"),
+        (_transposed_causal_bias, "n > m"),
+        (_row_padding_bias, None),
+        (_distance_bias, None),
+    ],
+    ids=["hf_causal_padding", "window_and_padding", "transposed_causal", "padded_query_rows", "distance"],
+)
+def test_rows_vary_only_through_position_formulas(fn, varies_through):
+    """The analysis finds the position formulas through which a bias varies along the rows, or declines (None):
+    a bias that reads per-row data, or uses positions in arithmetic, may differ between any two rows."""
+    formulas = _formulas(fn, [_PAD])
+    if varies_through is None:
+        assert formulas is None
+        return
+    assert formulas is not None and len(formulas) == 1
+    m, n = block_sparsity.ROW, block_sparsity.COL
+    expected = sympy.sympify(varies_through, locals={"m": m, "n": n})
+    at = sympy.lambdify((m, n), formulas[0])
+    want = sympy.lambdify((m, n), expected)
+    assert all(bool(at(i, j)) == bool(want(i, j)) for i in range(20) for j in range(20))
+
+
+@pytest.mark.parametrize("fn", [lambda mask: _hf_bias(mask, rows=60), _window_bias, _transposed_causal_bias])
+def test_blocks_called_row_invariant_hold_one_row_of_bias(fn):
+    """Soundness against brute force: wherever the generated test calls a block row-invariant, every row of the
+    block holds the bias of its first row; and it says so for most blocks away from the formula's edges."""
+    mask = torch.randint(0, 2, (2, 60))
+    code = block_sparsity.row_invariant_block_code(_formulas(fn, [mask]))
+    bias = fn(mask)
+    called = 0
+    for m_lo in range(0, 60, 5):
+        for n_lo in range(0, 60, 7):
+            m_hi, n_hi = min(m_lo + 4, 59), min(n_lo + 6, 59)
+            bounds = {"m_lo": m_lo, "m_hi": m_hi, "n_lo": n_lo, "n_hi": n_hi}
+            if eval(code.replace("tl.where", "_where").replace("tl.maximum", "max"),
+                    {"_where": lambda c, a, b: a if c else b, "max": max}, bounds):
+                called += 1
+                block = bias[..., m_lo:m_hi + 1, n_lo:n_hi + 1]
+                assert torch.equal(block, block[..., :1, :].expand_as(block)), bounds
+    assert called > 60
+
+
+def _summary_with_row_blocks(fn, captured, shape) -> int:
+    summary = ops.MASK_SUMMARIES[_summary_of(fn, captured, shape)]
+    code = block_sparsity.row_invariant_block_code(_formulas(fn, captured))
+    assert code is not None
+    return ops.register_mask_summary(ops.MaskSummary(summary.graph_module, summary.shape, summary.absorbing_gap, code))
+
+
+@pytest.mark.parametrize("rows", [200, 256, 300])
+def test_first_row_blocks_match_the_reference(rows):
+    """The table with the first-row path for blocks off the diagonal: cell for cell the reference's, on ragged and
+    whole sizes, with left and right padding and an entry with no key kept; the kernel takes every row only in the
+    blocks the diagonal crosses."""
+    attention_mask = torch.ones(4, rows, dtype=torch.long)
+    attention_mask[0, :45] = 0
+    attention_mask[1, rows - 50:] = 0
+    attention_mask[2] = 0
+    attention_mask[3, torch.randint(0, rows, (rows // 3,))] = 0
+    summary = _summary_with_row_blocks(lambda mask: _hf_bias(mask, rows), [attention_mask], (4, 1, rows, rows))
+    out, reference, code = _kernel_table(summary, [attention_mask])
+    assert torch.equal(out, reference)
+    assert set(reference.unique().tolist()) == {0, 1, 2}
+    kernel = next(iter(testing.triton_kernels(code).values()))
+    FileCheck().check("n_lo, n_hi = start_col, tl.minimum(start_col + BLOCK_N, COLUMNS) - 1").check(
+        "if ((("
+    ).check("first_row = ").check("first_mask = ").check(
+        "row_cell_max = tl.broadcast_to(first_cell_max, [ROW_TILE, BLOCK_N // CELL])"
+    ).check("else:").check("mask = ").check("row_cell_max = tl.max(tl.reshape(bias, [ROW_TILE, BLOCK_N // CELL, CELL]), 2)").run(kernel)

@@ -64,6 +64,8 @@ from inductor_overlay.fx_passes.block_sparsity import (
     fully_masked_tile_code,
     fully_visible_tile_code,
     matched_additive_mask,
+    row_invariant_block_code,
+    row_position_formulas,
     matched_id_masks,
     matched_tensor_masks,
     position_masks,
@@ -723,7 +725,11 @@ def _mask_table(graph: torch.fx.Graph, region: AttentionRegion, mask: Union[Tens
     kernel does; a mask read from memory gets Inductor's reductions, which run at memory speed."""
     if isinstance(mask, AdditiveMask) and _computed_from_small_tensors(region, mask.bias):
         shape = tuple(_val(mask.bias).shape)
-        summary = MaskSummary(_chain_value_module(region, mask.bias, list(shape)), shape, ABSORBING_BIAS_GAP)
+        formulas = row_position_formulas(mask.bias)
+        summary = MaskSummary(
+            _chain_value_module(region, mask.bias, list(shape)), shape, ABSORBING_BIAS_GAP,
+            row_invariant_when=row_invariant_block_code(formulas) if config.row_invariant_mask_blocks else None,
+        )
         inputs = (list(region.captured), register_mask_summary(summary), list(region.captured_sizes))
         return call_op(graph, torch.ops.flashlight.mask_cell_states.default, inputs)
     if isinstance(mask, AdditiveMask):
@@ -926,10 +932,10 @@ def fuse(region: AttentionRegion, group_coefficients: Optional[torch.fx.Node] = 
     formula, mask_nodes, skippable, fills = None, [], None, frozenset()
     if region.softmax:
         fills = absorbing_fill_masks(region.chain, region.score_root, region.logits, region.logit_scale)
-        formula, mask_nodes, skippable = position_masks(region.chain, len(score_shape), fills)
+        formula, mask_nodes, skippable = position_masks(region.chain, fills)
     id_mask = _summarised_id_mask(region) if region.softmax and config.block_skipping else None
     summarise_tensors = region.softmax and config.block_skipping and config.mask_tensor_tables
-    tensor_masks = matched_tensor_masks(region.chain, region.score_root, len(score_shape)) if summarise_tensors else []
+    tensor_masks = matched_tensor_masks(region.chain, region.score_root) if summarise_tensors else []
     tensor_mask = tensor_masks[0] if tensor_masks else None
     additive_mask = None
     if summarise_tensors and tensor_mask is None and id_mask is None and skippable is None:

@@ -30,9 +30,6 @@ prims = torch.ops.prims
 ROW, COL = sympy.Symbol("m", integer=True, nonnegative=True), sympy.Symbol("n", integer=True, nonnegative=True)
 
 
-_VIEWS = (aten.unsqueeze.default, aten.view.default, aten.reshape.default, aten.expand.default)
-
-
 class Unknown(Exception):
     """The expression is not a function of positions the analysis can bound."""
 
@@ -41,24 +38,90 @@ def _shape(node: torch.fx.Node) -> tuple:
     return tuple(node.meta["val"].shape)
 
 
-def _value(node: object, axis_of: dict) -> sympy.Basic:
+def _size_one_dims_map(source: tuple, target: tuple) -> Optional[list[int]]:
+    """For a view that only inserts or removes size-1 dims: the source dim of each target dim of size > 1."""
+    source_dims = [i for i, size in enumerate(source) if size != 1]
+    target_dims = [i for i, size in enumerate(target) if size != 1]
+    if [source[i] for i in source_dims] != [target[i] for i in target_dims]:
+        return None
+    mapping = [-1] * len(target)
+    for s, t in zip(source_dims, target_dims):
+        mapping[t] = s
+    return mapping
+
+
+_DIM_VIEWS = (aten.unsqueeze.default, aten.permute.default, aten.view.default, aten.reshape.default, aten.squeeze.dim,
+              aten.squeeze.default)
+
+
+def _is_elementwise(node: torch.fx.Node) -> bool:
+    """An op whose element at an index reads its inputs at the same index, broadcast right-aligned."""
+    target = node.target
+    return target in (aten.expand.default, prims.convert_element_type.default, aten.clone.default) or (
+        isinstance(target, torch._ops.OpOverload) and torch.Tag.pointwise in target.tags
+    )
+
+
+def _input_dim(node: torch.fx.Node, dim: int, arg: torch.fx.Node) -> Optional[int]:
+    """The dim of ``arg`` that ``node``'s dim ``dim`` reads (-1: ``arg`` is broadcast along it); None for a
+    view that moves it otherwise than by size-1 dims or a permutation."""
+    target, rank = node.target, len(_shape(node))
+    if dim < 0:
+        return -1
+    if _is_elementwise(node):
+        source = len(_shape(arg)) - rank + dim
+    elif target is aten.unsqueeze.default:
+        inserted = node.args[1] % rank
+        source = -1 if dim == inserted else dim if dim < inserted else dim - 1
+    elif target is aten.permute.default:
+        source = node.args[1][dim] % len(_shape(arg))
+    elif target in (aten.view.default, aten.reshape.default, aten.squeeze.dim, aten.squeeze.default):
+        mapping = _size_one_dims_map(_shape(arg), _shape(node))
+        if mapping is None:
+            return None
+        source = mapping[dim]
+    else:
+        return None
+    return source if source >= 0 and _shape(arg)[source] != 1 else -1
+
+
+def _value(node: object, dims: Optional[tuple[int, int]] = None) -> sympy.Basic:
+    """``node`` as a formula over the positions m and n. ``dims`` are the node's own dims that hold the logits' rows
+    and columns (-1: the node is broadcast along it), by default its last two; each operand is followed with the
+    dims that its op reads there, so a position is m or n by where it meets the logits, not by its own shape."""
     if isinstance(node, bool):
         return sympy.true if node else sympy.false
     if isinstance(node, (int, float)):
         return sympy.sympify(node)
     if not isinstance(node, torch.fx.Node) or node.op != "call_function":
         raise Unknown(node)
+    if dims is None:
+        rank = len(_shape(node))
+        dims = (max(-1, rank - 2), rank - 1)
     target, args = node.target, node.args
     if target is prims.iota.default:
-        return node.kwargs.get("start", 0) + node.kwargs.get("step", 1) * axis_of[node]
-    if target in (aten.unsqueeze.default, aten.expand.default, aten.view.default, aten.reshape.default,
-                  aten.clone.default, prims.convert_element_type.default, aten.squeeze.dim, aten.squeeze.default):
-        return _value(args[0], axis_of)
+        start, step = node.kwargs.get("start", 0), node.kwargs.get("step", 1)
+        if args[0] == 1:
+            return sympy.sympify(start)
+        if dims[0] == 0 or dims[1] == 0:
+            return start + step * (ROW if dims[0] == 0 else COL)
+        raise Unknown(node)  # a position along another dim
     if target is aten.full.default:
         return sympy.sympify(args[1])
     if target is aten.scalar_tensor.default:
         return sympy.sympify(args[0])
-    operands = [_value(a, axis_of) for a in args[:2]] if len(args) >= 2 else [_value(args[0], axis_of)]
+
+    def operand(arg: object) -> sympy.Basic:
+        if not isinstance(arg, torch.fx.Node):
+            return _value(arg)
+        arg_dims = tuple(_input_dim(node, dim, arg) for dim in dims)
+        if None in arg_dims:
+            raise Unknown(node)
+        return _value(arg, arg_dims)
+
+    if target in _DIM_VIEWS or target in (aten.expand.default, aten.clone.default, prims.convert_element_type.default):
+        return operand(args[0])  # the same values, its dims mapped by ``_input_dim``
+    operands = [operand(a) for a in args[:2]] if len(args) >= 2 else [operand(args[0])]
     binary = {
         aten.add.Tensor: lambda a, b: a + b,
         aten.sub.Tensor: lambda a, b: a - b,
@@ -82,23 +145,6 @@ def _value(node: object, axis_of: dict) -> sympy.Basic:
     if target is aten.neg.default:
         return -operands[0]
     raise Unknown(target)
-
-
-def _axes(chain: list[torch.fx.Node], logits_rank: int) -> dict:
-    """Each iota's axis: the dim of the score shape it varies along once broadcast (rows: -2, columns: -1)."""
-    axis_of = {}
-    for node in chain:
-        if node.op == "call_function" and node.target is prims.iota.default:
-            broadcast = node  # follow unsqueezes/views to the shape the position enters the arithmetic with
-            while len(broadcast.users) == 1 and next(iter(broadcast.users)).target in _VIEWS:
-                broadcast = next(iter(broadcast.users))
-            shape = _shape(broadcast)
-            varying = [i - len(shape) for i, size in enumerate(shape) if size != 1]
-            if varying == [-1]:
-                axis_of[node] = COL
-            elif varying == [-2]:
-                axis_of[node] = ROW
-    return axis_of
 
 
 def constant_value(node: object) -> Optional[float]:
@@ -159,18 +205,17 @@ def _or_terms(node: object, negated: bool) -> list[tuple[object, bool]]:
 
 
 def position_masks(
-    chain: list[torch.fx.Node], logits_rank: int, fills: frozenset = frozenset()
+    chain: list[torch.fx.Node], fills: frozenset = frozenset()
 ) -> tuple[Optional[sympy.Boolean], list[torch.fx.Node], Optional[sympy.Boolean]]:
     """Formulas over (m, n) of where the chain sets the logit to -inf by position, and the ``where`` nodes that
     do it. The first formula covers the masks whose every term is a position term: only those may be dropped from
     entirely visible tiles (the nodes). The third also has the position terms of masks that combine positions with
     terms no formula bounds (``doc[m] == doc[n] & n <= m``): it implies -inf, enough to skip a tile. The ``where``
     nodes in ``fills`` count as -inf masks (``absorbing_fill_masks``)."""
-    axis_of = _axes(chain, logits_rank)
     complete, nodes, skippable = [], [], []
     for node in chain:
         terms = masked_terms(node, fills)
-        known = _known_terms(terms or [], axis_of)
+        known = _known_terms(terms or [])
         skippable += known
         if terms and len(known) == len(terms):
             complete.append(sympy.Or(*known))
@@ -178,12 +223,12 @@ def position_masks(
     return (sympy.Or(*complete) if complete else None), nodes, (sympy.Or(*skippable) if skippable else None)
 
 
-def _known_terms(terms: list[tuple[object, bool]], axis_of: dict) -> list[sympy.Boolean]:
+def _known_terms(terms: list[tuple[object, bool]]) -> list[sympy.Boolean]:
     """The formulas of the terms of a -inf mask (``masked_terms``) that depend on positions alone."""
     known = []
     for term, negated in terms:
         try:
-            formula = _value(term, axis_of)
+            formula = _value(term)
         except (Unknown, KeyError, TypeError):
             continue
         if formula.free_symbols <= {ROW, COL} and isinstance(formula, sympy.logic.boolalg.Boolean):
@@ -208,7 +253,6 @@ def absorbing_fill_masks(
     rows, columns = scores.meta["val"].shape[-2:]
     if not (isinstance(rows, int) and isinstance(columns, int)):
         return frozenset()
-    axis_of = _axes(chain, len(scores.meta["val"].shape))
     memo: dict = {}
     on_path = [node for node in chain if depends_on(node, scores, memo)]
     step, source, finite, formulas = {}, {}, [], []
@@ -219,7 +263,7 @@ def absorbing_fill_masks(
         source[node] = inputs[0]
         terms = masked_terms(node, frozenset([node]))
         if terms is not None:
-            known = _known_terms(terms, axis_of)
+            known = _known_terms(terms)
             if len(known) != len(terms) or depends_on(node.args[0], scores, memo):
                 return frozenset()
             formulas.append(sympy.Or(*known))
@@ -321,11 +365,10 @@ class TensorMask:
     alone: bool  # the term is the mask's only one: where no cell of a tile masks, the mask keeps the tile whole
 
 
-def matched_tensor_masks(chain: list[torch.fx.Node], scores: torch.fx.Node, logits_rank: int) -> list[TensorMask]:
+def matched_tensor_masks(chain: list[torch.fx.Node], scores: torch.fx.Node) -> list[TensorMask]:
     """Every -inf mask term that is a boolean tensor of the scores' last two dims, or of their columns broadcast
     over the rows (a key-padding mask ``[B, 1, 1, N]``), computed without the scores, that neither a position
     formula nor an id summary covers."""
-    axis_of = _axes(chain, logits_rank)
     rows, columns = scores.meta["val"].shape[-2:]
     static_rows = isinstance(rows, int)
     found = []
@@ -340,7 +383,7 @@ def matched_tensor_masks(chain: list[torch.fx.Node], scores: torch.fx.Node, logi
                 and value.shape[-1] == columns
                 and (value.shape[-2] == rows or (value.shape[-2] == 1 and static_rows))
                 and all(isinstance(size, int) for size in value.shape)
-                and not _known_terms([(term, negated)], axis_of)
+                and not _known_terms([(term, negated)])
                 and _id_sides(term, negated, scores) is None
                 and not depends_on(term, scores, {})
             ):
@@ -531,3 +574,54 @@ def fully_visible_tile_code(formula: Optional[sympy.Boolean]) -> Optional[str]:
     """Triton expression, over m_lo, m_hi, n_lo, n_hi, that is true when no element of the tile is masked: there the
     mask's ``where`` may be dropped from the chain."""
     return _tile_codes(formula)[1]
+
+
+# ------------------------------------------------------------------------------------------- row-invariant blocks
+def row_position_formulas(value: torch.fx.Node) -> Optional[list[sympy.Boolean]]:
+    """The position formulas over (m, n) through which ``value`` (``[..., M, N]``) varies
+    along the rows, or None when it may vary along them some other way (a tensor read per row, a position used in
+    arithmetic). Wherever every formula is constant over a block of rows and columns, each row of the block holds
+    the same values: HF's causal-and-padding bias is ``where(pad[b, n] | (n > m), min, 0)``, the same on every row
+    of a block the diagonal does not cross. Each node is followed with the dims that hold the value's rows and
+    columns; a formula is taken only from a node whose own last two dims are those."""
+    formulas: list[sympy.Boolean] = []
+    rank = len(_shape(value))
+    pending, seen = [(value, rank - 2, rank - 1)], set()
+    while pending:
+        node, row, col = pending.pop()
+        if not isinstance(node, torch.fx.Node) or row < 0 or (node, row, col) in seen:
+            continue  # a number, or broadcast along the rows
+        seen.add((node, row, col))
+        if _shape(node)[row] == 1 or is_op(node, (aten.full.default, aten.scalar_tensor.default)):
+            continue
+        rank = len(_shape(node))
+        aligned = row == rank - 2 and col in (rank - 1, -1)
+        if aligned and node.meta["val"].dtype is torch.bool and node.op == "call_function":
+            try:
+                formula = _value(node)
+            except (Unknown, KeyError, TypeError):
+                formula = None
+            if isinstance(formula, sympy.logic.boolalg.Boolean) and formula.free_symbols <= {ROW, COL}:
+                formulas += [formula] if ROW in formula.free_symbols else []
+                continue
+        if node.op != "call_function" or not (_is_elementwise(node) or node.target in _DIM_VIEWS):
+            return None  # a tensor read per row, a position itself, an op this does not follow
+        for arg in node.all_input_nodes:
+            arg_row, arg_col = _input_dim(node, row, arg), _input_dim(node, col, arg)
+            if arg_row is None or arg_col is None:
+                return None
+            pending.append((arg, arg_row, arg_col))
+    return formulas
+
+
+def row_invariant_block_code(formulas: Optional[list[sympy.Boolean]]) -> Optional[str]:
+    """Triton expression, over m_lo, m_hi, n_lo, n_hi, true where each formula is constant over the block (so the
+    value it describes is the same on every row of the block); None if a formula cannot be bounded."""
+    if formulas is None:
+        return None
+    bounds = {ROW: _Interval("m_lo", "m_hi"), COL: _Interval("n_lo", "n_hi")}
+    try:
+        parts = [_always(formula, bounds) for formula in formulas]
+    except Unknown:
+        return None
+    return " & ".join(f"({everywhere} | {nowhere})" for everywhere, nowhere in parts) or "True"

@@ -176,7 +176,7 @@ def sdpa_call(region: AttentionRegion) -> Optional[SdpaCall]:
     ):
         return None
     fills = absorbing_fill_masks(region.chain, region.score_root, region.logits, region.logit_scale)
-    formula, mask_nodes, _ = position_masks(region.chain, len(region.score_root.meta["val"].shape), fills)
+    formula, mask_nodes, _ = position_masks(region.chain, fills)
     is_causal = masks_above_diagonal(formula)
     if mask_nodes and not (is_causal and m == n):
         return None

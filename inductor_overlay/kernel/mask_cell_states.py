@@ -12,8 +12,9 @@ columns. Inductor's own reductions over the same graph (three kernels) took 1.35
 from __future__ import annotations
 
 import functools
+import hashlib
 import math
-from typing import Any
+from typing import Any, Optional
 
 import torch
 from torch._inductor import ir
@@ -36,6 +37,41 @@ def _grid(z, row_cells, meta, *, cdiv):
     return (row_cells, z, 1)
 
 
+# Every row of the block: the bias tile from the user's graph, each row's largest bias per cell, whether each cell is
+# all 0. A NaN counts as +inf: its cell is never skipped (its row is NaN in eager anyway). Elements past M or N count
+# as 0 and as -inf: the attention kernel masks them by bounds anyway.
+ALL_ROWS = r"""
+        {{ modification(subgraph_number=0, output_name="mask", score="fl_n", fl_z="fl_z", fl_m="fl_m", fl_n="fl_n", input_shapes={"score": ("ROW_TILE", "BLOCK_N"), "fl_z": (), "fl_m": ("ROW_TILE", "1"), "fl_n": ("1", "BLOCK_N")}) | indent_except_first(2) }}
+        bias = mask.to(tl.float32)
+        bias = tl.where(bias != bias, float("inf"), bias)
+        if not (EVEN_M and EVEN_N):
+            bias = tl.where(in_bounds, bias, float("-inf"))
+        row_cell_max = tl.max(tl.reshape(bias, [ROW_TILE, BLOCK_N // CELL, CELL]), 2)
+        zero = ((mask == 0) | ~in_bounds).to(tl.int32)
+        all_zero = tl.min(tl.reshape(tl.min(zero, 0), [BLOCK_N // CELL, CELL]), 1)
+"""
+
+# Where the bias varies along the rows only through position formulas (``block_sparsity.row_position_formulas``),
+# a block where each is constant holds the same bias on every row: it is computed and reduced on the block's first
+# row alone. Only blocks the formulas' edges (the causal diagonal) cross take every row.
+ROW_INVARIANT_BLOCKS = r"""
+        m_lo, m_hi = row_cell * ROW_TILE, tl.minimum(row_cell * ROW_TILE + ROW_TILE, ROWS) - 1
+        n_lo, n_hi = start_col, tl.minimum(start_col + BLOCK_N, COLUMNS) - 1
+        if ROW_INVARIANT_WHEN:
+            # Every row of this block holds the same bias: compute it on the first row alone.
+            first_row = tl.full([1, 1], 0, POSITION_DTYPE) + m_lo.to(POSITION_DTYPE)
+            {{ modification(subgraph_number=0, output_name="first_mask", score="fl_n", fl_z="fl_z", fl_m="first_row", fl_n="fl_n", input_shapes={"score": ("1", "BLOCK_N"), "fl_z": (), "fl_m": ("1", "1"), "fl_n": ("1", "BLOCK_N")}) | indent_except_first(3) }}
+            first_bias = first_mask.to(tl.float32)
+            first_bias = tl.where(first_bias != first_bias, float("inf"), first_bias)
+            if not EVEN_N:
+                first_bias = tl.where(col_in_bounds, first_bias, float("-inf"))
+            first_cell_max = tl.max(tl.reshape(first_bias, [1, BLOCK_N // CELL, CELL]), 2)
+            row_cell_max = tl.broadcast_to(first_cell_max, [ROW_TILE, BLOCK_N // CELL])
+            first_zero = ((first_mask == 0) | ~col_in_bounds).to(tl.int32)
+            all_zero = tl.min(tl.reshape(first_zero, [BLOCK_N // CELL, CELL]), 1)
+        else:
+ALL_ROWS_DEEPER"""
+
 # A cell is skipped where each of its rows' largest bias over it lies ABSORBING_GAP below that row's largest bias over
 # all columns, known only after the pass over the columns. The pass keeps each row's largest bias per cell
 # (ROW_CELL_MAX) and whether each cell is all 0 (CELL_ZERO); the cells are decided after it.
@@ -56,26 +92,17 @@ MASK_CELLS = r"""
     cells_of_rows = (fl_z * ROW_CELLS + row_cell) * COLUMN_CELLS
     for start_col in tl.range(0, COLUMNS, BLOCK_N, num_stages=LOOP_STAGES):
         offs_n = start_col + tl.arange(0, BLOCK_N)
-        in_bounds = row_in_bounds & (offs_n[None, :] < COLUMNS)
+        col_in_bounds = offs_n[None, :] < COLUMNS
+        in_bounds = row_in_bounds & col_in_bounds
         if EVEN_N:
             fl_n = offs_n[None, :].to(POSITION_DTYPE)
         else:
             fl_n = tl.minimum(offs_n, COLUMNS - 1)[None, :].to(POSITION_DTYPE)
-        # The bias tile, from the user's graph.
-        {{ modification(subgraph_number=0, output_name="mask", score="fl_n", fl_z="fl_z", fl_m="fl_m", fl_n="fl_n", input_shapes={"score": ("ROW_TILE", "BLOCK_N"), "fl_z": (), "fl_m": ("ROW_TILE", "1"), "fl_n": ("1", "BLOCK_N")}) | indent_except_first(2) }}
         offs_cell = start_col // CELL + tl.arange(0, BLOCK_N // CELL)
         cell_in_bounds = offs_cell < COLUMN_CELLS
-        # A NaN counts as +inf: its cell is never skipped (its row is NaN in eager anyway).
-        bias = mask.to(tl.float32)
-        bias = tl.where(bias != bias, float("inf"), bias)
-        if not (EVEN_M and EVEN_N):
-            bias = tl.where(in_bounds, bias, float("-inf"))
-        row_cell_max = tl.max(tl.reshape(bias, [ROW_TILE, BLOCK_N // CELL, CELL]), 2)
+ROW_BLOCKS
         row_max = tl.maximum(row_max, tl.max(row_cell_max, 1))
         tl.store(ROW_CELL_MAX + scratch_rows * COLUMN_CELLS + offs_cell[None, :], row_cell_max, mask=cell_in_bounds[None, :])
-        # Elements past M or N count as 0: the attention kernel masks them by bounds anyway.
-        zero = ((mask == 0) | ~in_bounds).to(tl.int32)
-        all_zero = tl.min(tl.reshape(tl.min(zero, 0), [BLOCK_N // CELL, CELL]), 1)
         tl.store(CELL_ZERO + cells_of_rows + offs_cell, all_zero.to(tl.int8), mask=cell_in_bounds)
     tl.debug_barrier()  # the scratch written by the pass is read by other threads of the program
     for start_cell in range(0, COLUMN_CELLS, CELL_BLOCK):
@@ -95,9 +122,18 @@ MASK_CELLS = r"""
 """
 
 @functools.lru_cache(maxsize=None)
-def mask_cells_template() -> TritonTemplate:
-    """Built on first use, as the attention templates are: nothing is added to import time."""
-    return TritonTemplate(name="flashlight_mask_cells", grid=_grid, source=MASK_CELLS)
+def mask_cells_template(row_invariant_when: Optional[str]) -> TritonTemplate:
+    """The template, with the first-row path for blocks where ``row_invariant_when`` holds (a Triton expression
+    over the block's bounds m_lo, m_hi, n_lo, n_hi), or without it (None). Built on first use, as the attention
+    templates are: nothing is added to import time."""
+    all_rows = ALL_ROWS.strip("\n")
+    if row_invariant_when is None:
+        blocks, name = all_rows, "flashlight_mask_cells"
+    else:
+        deeper = "\n".join("    " + line for line in all_rows.split("\n")).replace("indent_except_first(2)", "indent_except_first(3)")
+        blocks = ROW_INVARIANT_BLOCKS.strip("\n").replace("ROW_INVARIANT_WHEN", row_invariant_when).replace("ALL_ROWS_DEEPER", deeper)
+        name = "flashlight_mask_cells_" + hashlib.sha256(row_invariant_when.encode()).hexdigest()[:10]
+    return TritonTemplate(name=name, grid=_grid, source=MASK_CELLS.replace("ROW_BLOCKS", blocks))
 
 
 @register_lowering(torch.ops.flashlight.mask_cell_states.default, type_promotion_kind=None)
@@ -125,7 +161,7 @@ def mask_cell_states_lowering(captured, summary_id, sizes=()):
         buffer.realize()
         buffer.freeze_layout()
     choices: list[Any] = []
-    error = mask_cells_template().maybe_append_choice(
+    error = mask_cells_template(summary.row_invariant_when if row_tile > 1 else None).maybe_append_choice(
         choices,
         input_nodes=scratch,
         layout=layout,
