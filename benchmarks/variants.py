@@ -195,6 +195,14 @@ def sliding_window_masked_fill(q, k, v):
     return torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1) @ v
 
 
+def sliding_window_one_arange(q, k, v):
+    """One position vector for rows and columns (self-attention), as in code that builds a distance matrix."""
+    position = torch.arange(q.shape[-2], device=q.device)
+    distance = position[:, None] - position[None, :]
+    scores = q @ k.transpose(-2, -1) * _scale(q)
+    return torch.softmax(scores.masked_fill((distance < 0) | (distance >= WINDOW), float("-inf")), dim=-1) @ v
+
+
 def _window_fraction(shape: Shape, window: int) -> float:
     """Share of (m, n) pairs with 0 <= m - n < window (square self-attention)."""
     visible = sum(min(row + 1, window) for row in range(shape.M))
@@ -203,7 +211,7 @@ def _window_fraction(shape: Shape, window: int) -> float:
 
 SLIDING_WINDOW = Variant(
     name="sliding_window",
-    idioms={"masked_fill": sliding_window_masked_fill},
+    idioms={"masked_fill": sliding_window_masked_fill, "one_arange": sliding_window_one_arange},
     flex_mask_mod=lambda extras: (lambda b, h, m, n: (n <= m) & (m - n < WINDOW)),
     visible_fraction=lambda shape: _window_fraction(shape, WINDOW),
 )

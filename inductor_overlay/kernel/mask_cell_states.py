@@ -30,6 +30,10 @@ aten = torch.ops.aten
 
 # Columns of the mask evaluated at once (TABLE_CELL rows by this many), warps and pipeline stages of the column loop.
 TILE = dict(BLOCK_N=256, num_warps=4, LOOP_STAGES=1)
+# With the first-row path most blocks cost one row, so wider blocks mean fewer steps of the column loop: 512 columns
+# took 17.3, 27.6 and 79.9 µs against 256's 17.2, 29.9 and 143.9 (HF's mask at 8×16×2048×128, 4×32×4096×64 and
+# 1×16×16384×128 on the H100; 1024 columns or 8 warps were slower: h100_2026-11-24_row_invariant_table/).
+ROW_INVARIANT_BLOCK_N = 512
 
 
 @SymbolicGridFn
@@ -151,7 +155,9 @@ def mask_cell_states_lowering(captured, summary_id, sizes=()):
     layout = ir.FixedLayout(device, torch.int8, out_size, ir.FlexibleLayout.contiguous_strides(out_size))
     wide = not all(expr_fits_within_32bit(t.get_layout().storage_size()) for t in captured)
     row_tile = TABLE_CELL if rows > 1 else 1
-    block_n = min(TILE["BLOCK_N"], max(TABLE_CELL, 1 << (columns - 1).bit_length()))  # a power of two ≥ CELL
+    row_invariant_when = summary.row_invariant_when if row_tile > 1 else None
+    widest = TILE["BLOCK_N"] if row_invariant_when is None else ROW_INVARIANT_BLOCK_N
+    block_n = min(widest, max(TABLE_CELL, 1 << (columns - 1).bit_length()))  # a power of two ≥ CELL
     # Scratch: each row's largest bias per cell, and whether each cell is all 0.
     scratch = [
         empty_strided([out_size[0], out_size[1] * row_tile, out_size[2]], None, dtype=torch.float32, device=device),
@@ -161,7 +167,7 @@ def mask_cell_states_lowering(captured, summary_id, sizes=()):
         buffer.realize()
         buffer.freeze_layout()
     choices: list[Any] = []
-    error = mask_cells_template(summary.row_invariant_when if row_tile > 1 else None).maybe_append_choice(
+    error = mask_cells_template(row_invariant_when).maybe_append_choice(
         choices,
         input_nodes=scratch,
         layout=layout,
