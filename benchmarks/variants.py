@@ -214,6 +214,7 @@ SLIDING_WINDOW = Variant(
     idioms={"masked_fill": sliding_window_masked_fill, "one_arange": sliding_window_one_arange},
     flex_mask_mod=lambda extras: (lambda b, h, m, n: (n <= m) & (m - n < WINDOW)),
     visible_fraction=lambda shape: _window_fraction(shape, WINDOW),
+    self_attention=True,  # the one-arange idiom reads one position vector for queries and keys
 )
 
 
