@@ -64,11 +64,11 @@ from inductor_overlay.fx_passes.block_sparsity import (
     fully_masked_tile_code,
     fully_visible_tile_code,
     matched_additive_mask,
-    row_invariant_block_code,
-    row_position_formulas,
     matched_id_masks,
     matched_tensor_masks,
     position_masks,
+    row_invariant_block_code,
+    row_position_formulas,
 )
 from inductor_overlay.fx_passes.block_sparsity import is_op as _is
 from inductor_overlay.fx_passes.finite_speculation import guard_only_nodes, speculation_bound
@@ -725,10 +725,11 @@ def _mask_table(graph: torch.fx.Graph, region: AttentionRegion, mask: Union[Tens
     kernel does; a mask read from memory gets Inductor's reductions, which run at memory speed."""
     if isinstance(mask, AdditiveMask) and _computed_from_small_tensors(region, mask.bias):
         shape = tuple(_val(mask.bias).shape)
-        formulas = row_position_formulas(mask.bias)
+        row_invariant_when = None
+        if config.row_invariant_mask_blocks:
+            row_invariant_when = row_invariant_block_code(row_position_formulas(mask.bias))
         summary = MaskSummary(
-            _chain_value_module(region, mask.bias, list(shape)), shape, ABSORBING_BIAS_GAP,
-            row_invariant_when=row_invariant_block_code(formulas) if config.row_invariant_mask_blocks else None,
+            _chain_value_module(region, mask.bias, list(shape)), shape, ABSORBING_BIAS_GAP, row_invariant_when
         )
         inputs = (list(region.captured), register_mask_summary(summary), list(region.captured_sizes))
         return call_op(graph, torch.ops.flashlight.mask_cell_states.default, inputs)

@@ -52,14 +52,14 @@ def _size_one_dims_map(source: tuple, target: tuple) -> Optional[list[int]]:
 
 _DIM_VIEWS = (aten.unsqueeze.default, aten.permute.default, aten.view.default, aten.reshape.default, aten.squeeze.dim,
               aten.squeeze.default)
+# Ops whose element at an index is their input's element there (broadcast right-aligned, or cast).
+_COPIES = (aten.expand.default, prims.convert_element_type.default, aten.clone.default)
 
 
 def _is_elementwise(node: torch.fx.Node) -> bool:
     """An op whose element at an index reads its inputs at the same index, broadcast right-aligned."""
     target = node.target
-    return target in (aten.expand.default, prims.convert_element_type.default, aten.clone.default) or (
-        isinstance(target, torch._ops.OpOverload) and torch.Tag.pointwise in target.tags
-    )
+    return target in _COPIES or (isinstance(target, torch._ops.OpOverload) and torch.Tag.pointwise in target.tags)
 
 
 def _input_dim(node: torch.fx.Node, dim: int, arg: torch.fx.Node) -> Optional[int]:
@@ -119,7 +119,7 @@ def _value(node: object, dims: Optional[tuple[int, int]] = None) -> sympy.Basic:
             raise Unknown(node)
         return _value(arg, arg_dims)
 
-    if target in _DIM_VIEWS or target in (aten.expand.default, aten.clone.default, prims.convert_element_type.default):
+    if target in _DIM_VIEWS or target in _COPIES:
         return operand(args[0])  # the same values, its dims mapped by ``_input_dim``
     operands = [operand(a) for a in args[:2]] if len(args) >= 2 else [operand(args[0])]
     binary = {
@@ -223,17 +223,21 @@ def position_masks(
     return (sympy.Or(*complete) if complete else None), nodes, (sympy.Or(*skippable) if skippable else None)
 
 
+def _position_formula(node: object) -> Optional[sympy.Boolean]:
+    """``node`` as a condition on the positions m and n alone, or None."""
+    try:
+        formula = _value(node)
+    except (Unknown, KeyError, TypeError):
+        return None
+    if formula.free_symbols <= {ROW, COL} and isinstance(formula, sympy.logic.boolalg.Boolean):
+        return formula
+    return None
+
+
 def _known_terms(terms: list[tuple[object, bool]]) -> list[sympy.Boolean]:
     """The formulas of the terms of a -inf mask (``masked_terms``) that depend on positions alone."""
-    known = []
-    for term, negated in terms:
-        try:
-            formula = _value(term)
-        except (Unknown, KeyError, TypeError):
-            continue
-        if formula.free_symbols <= {ROW, COL} and isinstance(formula, sympy.logic.boolalg.Boolean):
-            known.append(sympy.Not(formula) if negated else formula)
-    return known
+    formulas = [(_position_formula(term), negated) for term, negated in terms]
+    return [sympy.Not(formula) if negated else formula for formula, negated in formulas if formula is not None]
 
 
 # A position mask may fill with a finite constant instead of -inf (GPT-2's ``where(causal, w, finfo.min)``). Once
@@ -596,14 +600,10 @@ def row_position_formulas(value: torch.fx.Node) -> Optional[list[sympy.Boolean]]
             continue
         rank = len(_shape(node))
         aligned = row == rank - 2 and col in (rank - 1, -1)
-        if aligned and node.meta["val"].dtype is torch.bool and node.op == "call_function":
-            try:
-                formula = _value(node)
-            except (Unknown, KeyError, TypeError):
-                formula = None
-            if isinstance(formula, sympy.logic.boolalg.Boolean) and formula.free_symbols <= {ROW, COL}:
-                formulas += [formula] if ROW in formula.free_symbols else []
-                continue
+        formula = _position_formula(node) if aligned and node.meta["val"].dtype is torch.bool else None
+        if formula is not None:
+            formulas += [formula] if ROW in formula.free_symbols else []
+            continue
         if node.op != "call_function" or not (_is_elementwise(node) or node.target in _DIM_VIEWS):
             return None  # a tensor read per row, a position itself, an op this does not follow
         for arg in node.all_input_nodes:
@@ -619,9 +619,7 @@ def row_invariant_block_code(formulas: Optional[list[sympy.Boolean]]) -> Optiona
     value it describes is the same on every row of the block); None if a formula cannot be bounded."""
     if formulas is None:
         return None
-    bounds = {ROW: _Interval("m_lo", "m_hi"), COL: _Interval("n_lo", "n_hi")}
-    try:
-        parts = [_always(formula, bounds) for formula in formulas]
-    except Unknown:
+    parts = [_tile_codes(formula) for formula in formulas]
+    if any(everywhere is None for everywhere, _ in parts):
         return None
     return " & ".join(f"({everywhere} | {nowhere})" for everywhere, nowhere in parts) or "True"

@@ -23,7 +23,7 @@ from torch._inductor.select_algorithm import SymbolicGridFn, TritonTemplate, aut
 from torch._inductor.utils import expr_fits_within_32bit
 from torch._inductor.virtualized import V
 
-from inductor_overlay.kernel.online_softmax_attention import _lower_score_chain, _size_for_chain
+from inductor_overlay.kernel.online_softmax_attention import _deeper, _lower_score_chain, _size_for_chain
 from inductor_overlay.ops import CELL_KEEPS, CELL_MIXED, CELL_SKIPPED, MASK_SUMMARIES, TABLE_CELL, cell_shape
 
 aten = torch.ops.aten
@@ -134,8 +134,8 @@ def mask_cells_template(row_invariant_when: Optional[str]) -> TritonTemplate:
     if row_invariant_when is None:
         blocks, name = all_rows, "flashlight_mask_cells"
     else:
-        deeper = "\n".join("    " + line for line in all_rows.split("\n")).replace("indent_except_first(2)", "indent_except_first(3)")
-        blocks = ROW_INVARIANT_BLOCKS.strip("\n").replace("ROW_INVARIANT_WHEN", row_invariant_when).replace("ALL_ROWS_DEEPER", deeper)
+        blocks = ROW_INVARIANT_BLOCKS.strip("\n").replace("ROW_INVARIANT_WHEN", row_invariant_when)
+        blocks = blocks.replace("ALL_ROWS_DEEPER", _deeper(all_rows, first_line=True))
         name = "flashlight_mask_cells_" + hashlib.sha256(row_invariant_when.encode()).hexdigest()[:10]
     return TritonTemplate(name=name, grid=_grid, source=MASK_CELLS.replace("ROW_BLOCKS", blocks))
 
