@@ -23,6 +23,9 @@ import torch
 SCORE_MODS = ["none", "scale_scores", "softcap", "alibi_arange", "bias_tensor", "relu_bias", "abs_distance"]
 MASKS = ["none", "causal", "window", "prefix", "bool_tensor", "additive_tensor", "padding_finfo", "doc_ids", "causal_1e10"]
 LAYOUTS = ["bhsd", "bshd", "3d", "noncontiguous_k"]
+# How the row and column positions of position masks and distance terms are built: an arange each (indexed, viewed
+# or expanded to the score grid), or, when M == N, one arange read as both (the idiom that once hid a window mask).
+POSITIONS = ["separate", "viewed", "expanded", "one_arange", "one_arange_unsqueezed"]
 # What turns logits into the weights of V: a softmax (most programs), a softmax with a sink column (gpt-oss, and the
 # form that subtracts the row max first), a sigmoid, or nothing (a plain chained matmul; drawn without a mask).
 NORMALISATIONS = ["softmax"] * 4 + ["sinks", "sinks_shifted", "sigmoid", "none"]
@@ -49,6 +52,7 @@ class Program:
     points: int = 0  # IPA: minus a squared distance between P query and key points (3-d) joins the logits
     pair_channels: int = 0  # IPA: a second output, the probabilities reduced against a [B, M, N, C] pair tensor
     finite_fill: bool = False  # position masks fill with finfo.min (GPT-2's idiom) instead of -inf
+    positions: str = "separate"  # one of POSITIONS
 
     @property
     def kv_heads(self) -> int:
@@ -58,10 +62,12 @@ class Program:
         return (f"seed={self.seed} {self.layout} B{self.B} H{self.H}/{self.kv_heads} M{self.M} N{self.N} "
                 f"D{self.D} Dv{self.Dv} {str(self.dtype)[6:]} mod={self.score_mod} mask={self.mask} "
                 f"upcast={self.upcast} scale_on={self.scale_on} norm={self.normalisation} diff={int(self.diff_heads)} "
-                f"points={self.points} pair={self.pair_channels} finite_fill={int(self.finite_fill)}")
+                f"points={self.points} pair={self.pair_channels} finite_fill={int(self.finite_fill)} positions={self.positions}")
 
 
-def draw(seed: int) -> Program:
+def draw(seed: int, positions: str | None = None) -> Program:
+    """The program of ``seed``; ``positions`` overrides the drawn position idiom (a regression seed found before
+    the idiom was drawn keeps the form it failed with)."""
     rng = random.Random(seed)
     self_attention_mask = ["causal", "window", "prefix", "doc_ids", "causal_1e10"]
     mask = rng.choice(MASKS)
@@ -93,6 +99,10 @@ def draw(seed: int) -> Program:
         program.pair_channels = rng.choice([0, 0, 0, 4, 9])
     # (Since the twelfth session: it changes the fill, not the rest, of some earlier seeds' position masks.)
     program.finite_fill = program.mask in ("causal", "window", "prefix") and rng.random() < 0.4
+    # A stream of its own (since the twentieth session), so that adding it left every other field of every seed as it was.
+    program.positions = positions or random.Random(f"positions:{seed}").choice(POSITIONS)
+    if program.positions.startswith("one_arange") and program.M != program.N:
+        program.positions = "viewed"
     return program
 
 
@@ -125,6 +135,22 @@ def make_inputs(p: Program) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]
     return [q, k, v], extras
 
 
+def _positions(p: Program, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Row positions [M, 1] (or [M, N]) and column positions [1, N] (or [M, N]), built the way p.positions says."""
+    if p.positions == "one_arange":
+        position = torch.arange(p.N, device=device)
+        return position[:, None], position[None, :]
+    if p.positions == "one_arange_unsqueezed":
+        position = torch.arange(p.N, device=device)
+        return position.unsqueeze(-1), position.unsqueeze(0)
+    if p.positions == "viewed":
+        return torch.arange(p.M, device=device).view(p.M, 1), torch.arange(p.N, device=device).view(1, p.N)
+    rows, cols = torch.arange(p.M, device=device)[:, None], torch.arange(p.N, device=device)[None, :]
+    if p.positions == "expanded":
+        return rows.expand(p.M, p.N), cols.expand(p.M, p.N)
+    return rows, cols
+
+
 def build(p: Program) -> Callable:
     """The program as plain PyTorch, the way a user would write it for this combination."""
     kv_heads = p.kv_heads
@@ -148,8 +174,7 @@ def build(p: Program) -> Callable:
             s = s * scale
         if p.upcast:
             s = s.float()
-        rows = torch.arange(p.M, device=q.device)[:, None]
-        cols = torch.arange(p.N, device=q.device)[None, :]
+        rows, cols = _positions(p, q.device)
         if p.score_mod == "scale_scores":
             s = s * 1.7
         elif p.score_mod == "softcap":
