@@ -40,14 +40,14 @@ def test_guarded_chain_runs_its_loops_without_the_guards(shared):
     """The DIFF Transformer's code: the visible tiles' loop has no compare and no where (its mask and its guards are
     gone, 1/√d joins exp2), the partial tiles' loop only its mask; the guards run after the check, with the scale.
     Its head pairs share one pass (``share_v_tile_in_head_groups``; names suffixed by the head), or run in turn: a
-    row tile either head fails runs again for both."""
+    row tile either head fails runs again for both (after both, in one loop over the heads that is not unrolled)."""
     inputs = PROGRAM.inputs(B=1, H=2, S=200, D=16)
     out, code = compile_on_cpu(PROGRAM.fn, inputs, share_v_tile_in_head_groups=shared)
     testing.assert_close_to_reference(out, PROGRAM.fn(**{k: v.double() for k, v in inputs.items()}))
     kernel = fused_kernel(code)
     assert logit_scale(kernel) == pytest.approx(math.log2(math.e) / 4)
     assert logit_scale(kernel, "EXACT_LOGIT_SCALE") == pytest.approx(math.log2(math.e))
-    fast, exact = kernel.split("speculation_failed = ")
+    fast, exact = kernel.split("speculation_failed = " if shared else "any_speculation_failed = tl.maximum(")
     visible, partial = fast.split("for start_n in range(full_lo, full_hi")[1].split("for partial_n in")
     heads = ["0", "1"] if shared else [""]
     for loop in (visible, partial):
@@ -59,7 +59,9 @@ def test_guarded_chain_runs_its_loops_without_the_guards(shared):
     check = FileCheck()
     for h in heads:
         check = check.check(f"(tl.abs(m_i{h}) < SPECULATION_MAX_BOUND)")
-    check.check("if tl.max(speculation_failed").check("for start_n in tl.range(first_n, end_n, BLOCK_N, num_stages=1)")
+    check = check.check("if tl.max(speculation_failed") if shared else check.check("if any_speculation_failed > 0:").check(
+        "for redo_group in range(GROUPS):")
+    check.check("for start_n in tl.range(first_n, end_n, BLOCK_N, num_stages=1)")
     for h in heads:
         check = check.check(" == tmp").check("libdevice.isnan").check("row_scale")
     for h in heads:
@@ -84,10 +86,13 @@ def _with_non_finite_scores(inputs, kind):
     return inputs
 
 
+@pytest.mark.parametrize("shared", [True, False])
 @pytest.mark.parametrize("kind", ["nan_rows", "infinite_rows", "minus_inf_columns"])
-def test_non_finite_scores_match_eager(kind):
+def test_non_finite_scores_match_eager(kind, shared):
+    """Heads sharing one pass, or in turn (the non-finite scores are in the first head of a pair: its redo must
+    recompute the second head's share too, and the partial sum must hold the redo's, not the fast loops')."""
     inputs = _with_non_finite_scores(PROGRAM.inputs(B=2, H=4, S=96, D=8), kind)
-    out, code = compile_on_cpu(PROGRAM.fn, inputs)
+    out, code = compile_on_cpu(PROGRAM.fn, inputs, share_v_tile_in_head_groups=shared)
     expected = PROGRAM.fn(**inputs)  # eager in the inputs' dtype: nan_to_num's bounds are float32's
     assert torch.isfinite(expected).all()
     testing.assert_close_to_reference(out, expected)

@@ -32,7 +32,12 @@ def test_program_kernels_pass_the_gpu_front_end():
         with testing.cpu_triton(), config.patch(combine_head_groups_in_kernel=program.name == "diff_attention"):
             _, generated = testing.compile_and_get_code(program.fn, *inputs.values())
         code += generated
-    testing.check_gpu_front_end(code)
+    # DiffAttn's causal form with its head pairs in turn (as at head dim 128): the exact redo loops over the heads.
+    program = PROGRAMS["diff_transformer_causal"]
+    with testing.cpu_triton(), config.patch(share_v_tile_in_head_groups=False):
+        _, generated = testing.compile_and_get_code(program.fn, **program.inputs(**program.cpu_size, dtype=torch.bfloat16))
+    assert any("for redo_group in range(GROUPS):" in source for source in generated)
+    testing.check_gpu_front_end(code + generated)
 
 
 def test_the_check_rejects_what_the_gpu_compiler_rejects():

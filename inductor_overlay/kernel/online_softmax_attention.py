@@ -234,12 +234,10 @@ SPECULATION_CHECK = """
         EXACT_LOOP"""
 
 
-def _speculation_check(exact_subgraph: int, shared_heads: int = 0) -> str:
-    """The check after the loops, and the loop over the same tiles that runs the whole chain (``exact_subgraph``)
-    from a fresh state, in the logits' own units (the guards' ±FLT_MAX must not overflow once scaled). That loop is
-    not pipelined: it rarely runs, and its stages' buffers would cost the loops above shared memory. With
-    ``shared_heads``, for the heads of a shared pass (``SHARED_V_INTRO``): a row tile any of them failed runs again
-    for all of them."""
+def _exact_loop(exact_subgraph: int, shared_heads: int = 0) -> str:
+    """The loop over the row tile's columns that runs the whole chain (``exact_subgraph``), in the logits' own units
+    (the guards' ±FLT_MAX must not overflow once scaled). It is not pipelined: it rarely runs, and its stages'
+    buffers would cost the fast loops shared memory."""
     exact_loop = N_LOOP.replace("range(START, END, BLOCK_N)", "tl.range(first_n, end_n, BLOCK_N, num_stages=1)")
     exact_loop = exact_loop.replace("CHAIN", str(exact_subgraph))
     if shared_heads:
@@ -247,7 +245,14 @@ def _speculation_check(exact_subgraph: int, shared_heads: int = 0) -> str:
     else:
         accumulate = SOFTMAX_ACCUMULATE.replace("LOAD_V", LOAD_V).replace("RUNNING_MAX_AND_P", RUNNING_MAX_AND_P_WIDE)
         exact_loop = exact_loop.replace("ACCUMULATE", accumulate)
-    exact_loop = exact_loop.replace("LOGIT_SCALE", "EXACT_LOGIT_SCALE")
+    return exact_loop.replace("LOGIT_SCALE", "EXACT_LOGIT_SCALE")
+
+
+def _speculation_check(exact_subgraph: int, shared_heads: int = 0) -> str:
+    """The check after the loops, and the loop over the same tiles that runs the whole chain from a fresh state.
+    With ``shared_heads``, for the heads of a shared pass (``SHARED_V_INTRO``): a row tile any of them failed runs
+    again for all of them."""
+    exact_loop = _exact_loop(exact_subgraph, shared_heads)
     states = [_for_head(SOFTMAX_STATE, g) for g in range(shared_heads)] or [SOFTMAX_STATE]
     row_checks = [_for_head(ROW_MET_NO_GUARD, g) for g in range(shared_heads)] or [ROW_MET_NO_GUARD]
     state = "\n    ".join(states)
@@ -429,9 +434,11 @@ VISIBLE_RANGE_STATE = """
 # output dtype there, as the per-head outputs of the two-kernel form are; the per-head outputs never reach memory.
 # (A loop that is not unrolled compiled faster but ran up to 16% slower at head dim 128 on the H100:
 # benchmarks/results/h100_2026-11-23_diff_partial_sum/.)
-GROUPED_HEADS = """    partial_tile = PARTIAL + out_z * {{stride("PARTIAL", 0)}} + offs_m[:, None] * {{stride("PARTIAL", 1)}} + offs_dv[None, :] * {{stride("PARTIAL", 2)}}
+GROUP_PARTIAL_TILE = """    partial_tile = PARTIAL + out_z * {{stride("PARTIAL", 0)}} + offs_m[:, None] * {{stride("PARTIAL", 1)}} + offs_dv[None, :] * {{stride("PARTIAL", 2)}}
     partial_in_bounds = row_in_bounds & (offs_dv[None, :] < DV)
-    for group in tl.static_range(GROUPS):
+"""
+
+GROUP_LOOP = """    for group in GROUP_RANGE:
         fl_z = (out_z * GROUPS + group).to(POSITION_DTYPE)
 ONE_HEAD
         acc = tl.load(COEF + group * {{stride("COEF", 0)}}).to(tl.float32) * acc
@@ -442,6 +449,30 @@ ONE_HEAD
         if group < GROUPS - 1:
             tl.store(partial_tile, acc.to(PARTIAL.dtype.element_ty), mask=partial_in_bounds)
 """
+
+# Speculation for heads that run in turn: each head's fast loops only note whether a row failed; if any did, every
+# head of the group runs again with the whole chain after the unrolled loop, in a loop over the heads that is not
+# unrolled. One copy of the exact loop, not one per head: DiffAttn's causal kernel at head dim 128 compiled in 4.6 s
+# instead of 7.9 s for sm90 on the CPU host (ptxas 1.8 s instead of 3.1 s).
+GROUP_SPECULATION_FLAG = """
+    any_speculation_failed = tl.maximum(any_speculation_failed, tl.max((ROW_MET_NO_GUARD).to(tl.int32), 0))"""
+
+GROUP_EXACT_REDO = """    if any_speculation_failed > 0:
+        # A row of some head met a guard of the chain (a NaN or infinite score): all heads again, whole chain.
+EXACT_GROUP_LOOP"""
+
+
+def _grouped_heads(one_head: str, exact_head: Optional[str]) -> str:
+    """The heads of a group in turn (``GROUP_LOOP`` unrolled), each ``one_head``; with ``exact_head`` (speculation),
+    followed by their exact redo."""
+    unrolled = GROUP_LOOP.replace("GROUP_RANGE", "tl.static_range(GROUPS)").replace("ONE_HEAD", _deeper(one_head, first_line=True))
+    if exact_head is None:
+        return GROUP_PARTIAL_TILE + unrolled
+    # Its own name for the head index: the unrolled loop's is a constexpr, which a branch may not rebind to a tensor.
+    redo = re.sub(r"\bgroup\b", "redo_group", GROUP_LOOP).replace("GROUP_RANGE", "range(GROUPS)")
+    redo = redo.replace("ONE_HEAD", _deeper(exact_head, first_line=True))
+    return (GROUP_PARTIAL_TILE + "    any_speculation_failed = tl.zeros([], tl.int32)\n" + unrolled
+            + GROUP_EXACT_REDO.replace("EXACT_GROUP_LOOP", _deeper(redo, first_line=True)))
 
 
 # Heads of a group that also read one V (DiffAttn's pair: heads 2i and 2i+1 both read V's head i) can share a single
@@ -557,8 +588,12 @@ def online_softmax_attention_template(
         accumulate = accumulate.replace("# acc = alpha * acc + P V", PAIR_ACCUMULATE + "# acc = alpha * acc + P V")
     tile_range = _tile_range(masked_tile_code, visible_tile_code, id_subgraphs, table_subgraph)
     loops = ONE_LOOP if visible_tile_code is None else SPLIT_LOOPS
+    heads_in_turn = groups > 1 and not shared_v
     if exact_subgraph is not None:
-        loops += _speculation_check(exact_subgraph, shared_heads=groups if shared_v else 0)
+        if heads_in_turn:
+            loops += GROUP_SPECULATION_FLAG.replace("ROW_MET_NO_GUARD", ROW_MET_NO_GUARD)
+        else:
+            loops += _speculation_check(exact_subgraph, shared_heads=groups if shared_v else 0)
     running_max_and_p = RUNNING_MAX_AND_P_WIDE if wide_logits else RUNNING_MAX_AND_P
 
     def with_offsets(source: str) -> str:
@@ -571,18 +606,21 @@ def online_softmax_attention_template(
         assert "SINK" not in names
         heads = _shared_v_heads(groups, state, running_max_and_p, with_offsets, tile_range, loops)
     else:
-        one_head = with_offsets(
-            ONE_HEAD.replace("N_LOOPS", loops)
-            .replace("ROW_STATE", state)
-            .replace("ACCUMULATE", accumulate.replace("LOAD_V", LOAD_V))
-            .replace("RUNNING_MAX_AND_P", running_max_and_p)
-            .replace("FINISH", finish)
-            .replace("TILE_RANGE", tile_range)
-        )
+        def head_with(head_loops: str) -> str:
+            return with_offsets(
+                ONE_HEAD.replace("N_LOOPS", head_loops)
+                .replace("ROW_STATE", state)
+                .replace("ACCUMULATE", accumulate.replace("LOAD_V", LOAD_V))
+                .replace("RUNNING_MAX_AND_P", running_max_and_p)
+                .replace("FINISH", finish)
+                .replace("TILE_RANGE", tile_range)
+            )
+
         if groups == 1:
-            heads = "    fl_z = out_z.to(POSITION_DTYPE)\n" + one_head
+            heads = "    fl_z = out_z.to(POSITION_DTYPE)\n" + head_with(loops)
         else:
-            heads = GROUPED_HEADS.replace("ONE_HEAD", _deeper(one_head, first_line=True))
+            exact_head = head_with(_exact_loop(exact_subgraph)) if exact_subgraph is not None else None
+            heads = _grouped_heads(head_with(loops), exact_head)
     source = ATTENTION_HEAD.replace("INPUT_NAMES", ", ".join(f'"{name}"' for name in names)) + heads + _attention_tail(output_batch)
     return _template_of(source)
 
