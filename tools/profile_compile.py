@@ -1,6 +1,7 @@
 """Where the compile time of one attention goes (GPU): cProfile of its first call, from a fresh Inductor cache.
 
     PYTHONPATH=. python tools/profile_compile.py causal_mask_tensor:boolean_passed_in 4x16x4096x64 > compile.txt
+    PYTHONPATH=. python tools/profile_compile.py diff_transformer_causal 9 > compile.txt   # a program, gpu_sizes index
 
 Prints the wall time of the first call, then the functions with the most cumulative and the most own time.
 Autotuning compiles its choices in worker threads or processes: their time shows as waiting in the main thread.
@@ -16,21 +17,32 @@ import torch
 from torch._inductor.utils import fresh_cache
 
 import flashlight
+from benchmarks.programs import PROGRAMS
 from benchmarks.variants import VARIANTS, Shape, make_inputs
+
+
+def _call(name: str, size: str):
+    """(function, keyword inputs): a program of benchmarks/programs.py at a gpu_sizes index, or a variant's idiom
+    (``variant:idiom``) at a BxHxSxD shape."""
+    if name in PROGRAMS:
+        program = PROGRAMS[name]
+        return program.fn, program.inputs(**program.gpu_sizes[int(size)], device="cuda", dtype=torch.bfloat16)
+    variant_name, idiom = name.split(":")
+    variant = VARIANTS[variant_name]
+    b, h, s, d = (int(part) for part in size.split("x"))
+    q, k, v, extras = make_inputs(variant, variant.adapt(Shape(b, h, s, s, d)), device="cuda", dtype=torch.bfloat16)
+    return variant.idioms[idiom], dict(q=q, k=k, v=v, **extras)
 
 
 def main() -> None:
     flashlight.enable()
-    variant_name, idiom = sys.argv[1].split(":")
-    variant = VARIANTS[variant_name]
-    b, h, s, d = (int(part) for part in sys.argv[2].split("x"))
-    q, k, v, extras = make_inputs(variant, variant.adapt(Shape(b, h, s, s, d)), device="cuda", dtype=torch.bfloat16)
-    compiled = torch.compile(variant.idioms[idiom], dynamic=False)
+    fn, inputs = _call(sys.argv[1], sys.argv[2])
+    compiled = torch.compile(fn, dynamic=False)
     profiler = cProfile.Profile()
     with fresh_cache():
         start = time.perf_counter()
         profiler.enable()
-        compiled(q, k, v, **extras)
+        compiled(**inputs)
         torch.cuda.synchronize()
         profiler.disable()
     print(f"{sys.argv[1]} {sys.argv[2]}: first call {time.perf_counter() - start:.1f} s")
