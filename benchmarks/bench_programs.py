@@ -206,6 +206,7 @@ def main() -> None:
     parser.add_argument("--programs", default=",".join(PROGRAMS))
     parser.add_argument("--impls", default="eager,compile,flashlight,flex")
     parser.add_argument("--max-sizes", type=int, default=0, help="only the first N sizes of each program (0: all)")
+    parser.add_argument("--size-indices", default="", help="only these gpu_sizes indices, comma-separated (e.g. 6,7,8)")
     parser.add_argument("--block", action="store_true", help="also time an Evoformer block end to end")
     parser.add_argument("--out", default="benchmarks/results/latest")
     args = parser.parse_args()
@@ -223,6 +224,8 @@ def main() -> None:
     for name in args.programs.split(","):
         program = PROGRAMS[name]
         sizes = program.gpu_sizes[: args.max_sizes] if args.max_sizes else program.gpu_sizes
+        if args.size_indices:
+            sizes = [program.gpu_sizes[int(index)] for index in args.size_indices.split(",") if int(index) < len(program.gpu_sizes)]
         for size in sizes:
             log(f"{name} {size}")
             rows += bench_program(program, size, args.impls.split(","), stamp, log)
