@@ -17,26 +17,12 @@ import torch
 from torch._inductor.utils import fresh_cache
 
 import flashlight
-from benchmarks.programs import PROGRAMS
-from benchmarks.variants import VARIANTS, Shape, make_inputs
-
-
-def _call(name: str, size: str):
-    """(function, keyword inputs): a program of benchmarks/programs.py at a gpu_sizes index, or a variant's idiom
-    (``variant:idiom``) at a BxHxSxD shape."""
-    if name in PROGRAMS:
-        program = PROGRAMS[name]
-        return program.fn, program.inputs(**program.gpu_sizes[int(size)], device="cuda", dtype=torch.bfloat16)
-    variant_name, idiom = name.split(":")
-    variant = VARIANTS[variant_name]
-    b, h, s, d = (int(part) for part in size.split("x"))
-    q, k, v, extras = make_inputs(variant, variant.adapt(Shape(b, h, s, s, d)), device="cuda", dtype=torch.bfloat16)
-    return variant.idioms[idiom], dict(q=q, k=k, v=v, **extras)
+from tools.profile_program import cases
 
 
 def main() -> None:
     flashlight.enable()
-    fn, inputs = _call(sys.argv[1], sys.argv[2])
+    _, fn, inputs = next(cases(sys.argv[1], sys.argv[2]))
     compiled = torch.compile(fn, dynamic=False)
     profiler = cProfile.Profile()
     with fresh_cache():

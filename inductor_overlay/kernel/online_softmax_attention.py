@@ -455,8 +455,8 @@ ONE_HEAD
 # unrolled: one copy of the exact loop, not one per head. For DiffAttn's causal kernel at head dim 128 on the H100
 # host, ptxas took 1.7 s instead of 2.3 s and LLVM's optimiser 1.5 s instead of 1.0 s; the first call's compile
 # time and the kernel's speed stayed level (benchmarks/results/h100_2026-11-24_exact_redo/).
-GROUP_SPECULATION_FLAG = """
-    any_speculation_failed = tl.maximum(any_speculation_failed, tl.max((ROW_MET_NO_GUARD).to(tl.int32), 0))"""
+GROUP_SPECULATION_FLAG = f"""
+    any_speculation_failed = tl.maximum(any_speculation_failed, tl.max(({ROW_MET_NO_GUARD}).to(tl.int32), 0))"""
 
 GROUP_EXACT_REDO = """    if any_speculation_failed > 0:
         # A row of some head met a guard of the chain (a NaN or infinite score): all heads again, whole chain.
@@ -592,7 +592,7 @@ def online_softmax_attention_template(
     heads_in_turn = groups > 1 and not shared_v
     if exact_subgraph is not None:
         if heads_in_turn:
-            loops += GROUP_SPECULATION_FLAG.replace("ROW_MET_NO_GUARD", ROW_MET_NO_GUARD)
+            loops += GROUP_SPECULATION_FLAG
         else:
             loops += _speculation_check(exact_subgraph, shared_heads=groups if shared_v else 0)
     running_max_and_p = RUNNING_MAX_AND_P_WIDE if wide_logits else RUNNING_MAX_AND_P
