@@ -13,6 +13,7 @@ import argparse
 import csv
 import datetime
 import pathlib
+import sys
 import time
 from typing import Any, Callable, Optional
 
@@ -41,6 +42,12 @@ FLASHLIGHT_POLICIES: dict[str, dict[str, Any]] = {
     "flashlight_all_rows_table": {"row_invariant_mask_blocks": False},
 }
 COLUMNS = "variant,impl,B,H,M,N,D,dtype,ms,tflops,rel_err,compile_s,device,torch,triton,date".split(",")
+# Norm-wise relative error above which an output counts as wrong. Correct bf16 rows land between 2e-3 and 3e-2 (the
+# top: default compile rounding T5's bias to bf16); Flex's int32 indexing of a per-head bias with more than 2^31
+# elements gives 0.76 or NaN.
+WRONG_OUTPUT_TOLERANCE = 5e-2
+# CUDA errors after which the process's context is unusable: every later launch fails with the same error.
+_STICKY_CUDA_ERRORS = ("illegal memory access", "misaligned address", "unspecified launch failure", "device-side assert")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
@@ -102,6 +109,30 @@ def flex_impl(variant: Variant, shape: Shape, extras: dict, formula: bool = Fals
     return run, mask_seconds
 
 
+class ContextLost(Exception):
+    """An implementation broke the CUDA context; carries the rows of the case measured so far (the failed one last)."""
+
+    def __init__(self, rows: list[dict]):
+        super().__init__("the CUDA context is lost: no later kernel can run in this process")
+        self.rows = rows
+
+
+def breaks_context(error: Exception) -> bool:
+    return isinstance(error, torch.AcceleratorError) and any(text in str(error) for text in _STICKY_CUDA_ERRORS)
+
+
+def wrong_output(row: dict, case: dict[str, dict]) -> bool:
+    """Whether ``row`` (an implementation of ``case``, the rows of one variant and shape by implementation) computed a
+    wrong output: an error above the tolerance, or none at all (NaN) where the case had a reference to compare with
+    (another row got a finite error). A row that failed to run (no time) is not a wrong output."""
+    err, ms = float(row["rel_err"]), float(row["ms"])
+    if ms != ms:
+        return False
+    if err == err:
+        return err > WRONG_OUTPUT_TOLERANCE
+    return any(float(other["rel_err"]) == float(other["rel_err"]) for other in case.values())
+
+
 def bench_one(variant: Variant, shape: Shape, dtype: torch.dtype, impls: list[str], stamp: dict, log: Callable) -> list[dict]:
     import triton
 
@@ -154,6 +185,9 @@ def bench_one(variant: Variant, shape: Shape, dtype: torch.dtype, impls: list[st
         except Exception as err_:  # a failing implementation is a row with no time, not a dead run
             log(f"  {impl}: FAILED {type(err_).__name__}: {str(err_)[:300]}")
             ms, err, fused, as_sdpa, fell_back = float("nan"), float("nan"), 0, 0, 0
+            context_lost = breaks_context(err_)
+        else:
+            context_lost = False
         row = dict(
             variant=variant.name, impl=impl, B=shape.B, H=shape.H, M=shape.M, N=shape.N, D=shape.D,
             dtype=str(dtype).removeprefix("torch."), ms=round(ms, 4),
@@ -163,7 +197,12 @@ def bench_one(variant: Variant, shape: Shape, dtype: torch.dtype, impls: list[st
         rows.append(row)
         note = f" fused={fused}" + (f" as_sdpa={as_sdpa}" if as_sdpa else "") + (f" FALLBACK={fell_back}" if fell_back else "")
         note = note if impl.startswith("flashlight") else ""
+        if ref is not None and ms == ms and not err <= WRONG_OUTPUT_TOLERANCE:
+            note += " WRONG OUTPUT"
         log(f"  {impl:20} {row['ms']:>9} ms {row['tflops']:>7} TFLOP/s err {row['rel_err']} compile {compile_s:.1f}s{note}")
+        if context_lost:
+            log(f"  {impl} broke the CUDA context: this process cannot run the remaining implementations or cases")
+            raise ContextLost(rows)
     del q, k, v, ref
     torch.cuda.empty_cache()
     return rows
@@ -177,17 +216,20 @@ def markdown(rows: list[dict]) -> str:
         by_case.setdefault((row["variant"], row["B"], row["H"], row["M"], row["D"]), {})[row["impl"]] = row
     for (variant, b, h, s, d), impls in by_case.items():
         for impl, row in impls.items():
-            lines.append(f"| {variant} | {b}×{h}×{s}×{d} | {impl} | {row['ms']} | {row['tflops']} | {row['rel_err']} | "
+            err = f"**wrong** ({row['rel_err']})" if wrong_output(row, impls) else row["rel_err"]
+            lines.append(f"| {variant} | {b}×{h}×{s}×{d} | {impl} | {row['ms']} | {row['tflops']} | {err} | "
                          f"{row['compile_s']} | " + " | ".join(speedups(impls, impl, ("compile", "flex", "sdpa", "flex_formula"))) + " |")
     return "\n".join(lines) + "\n"
 
 
 def speedups(impls: dict[str, dict], impl: str, bases: tuple[str, ...]) -> list[str]:
-    """Table cells: how many times faster ``impl`` ran than each base implementation of the same case."""
+    """Table cells: how many times faster ``impl`` ran than each base implementation of the same case. No ratio is
+    drawn where either output is wrong: a fast wrong answer is not a baseline."""
     row, cells = impls[impl], []
     for base in bases:
         other = impls.get(base)
-        valid = other is not None and impl != base and row["ms"] == row["ms"] and other["ms"] == other["ms"]
+        valid = (other is not None and impl != base and row["ms"] == row["ms"] and other["ms"] == other["ms"]
+                 and not wrong_output(row, impls) and not wrong_output(other, impls))
         cells.append(f"{other['ms'] / row['ms']:.2f}×" if valid else "")
     return cells
 
@@ -218,7 +260,7 @@ def start_run(out_dir: pathlib.Path) -> tuple[dict, Callable[[str], None]]:
     return stamp, log
 
 
-def main() -> None:
+def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--variants", default="vanilla,causal,alibi,softcap")
     parser.add_argument("--shapes", default="4x32x4096x64,8x16x2048x128")
@@ -233,18 +275,27 @@ def main() -> None:
     torch.compile(lambda x: torch.softmax(x @ x.transpose(-1, -2), -1) @ x)(torch.randn(2, 8, 8, device="cuda"))
     torch._dynamo.reset()
     rows: list[dict] = []
-    csv_path = out_dir / "results.csv"
     for variant_name in args.variants.split(","):
         for shape_text in args.shapes.split(","):
             shape = parse_shape(shape_text)
             log(f"{variant_name} {shape_text}")
-            rows += bench_one(VARIANTS[variant_name], shape, DTYPES[args.dtype], args.impls.split(","), stamp, log)
-            with csv_path.open("w", newline="") as handle:
-                writer = csv.DictWriter(handle, fieldnames=COLUMNS)
-                writer.writeheader()
-                writer.writerows(rows)
-            (out_dir / "results.md").write_text(markdown(rows))
+            try:
+                rows += bench_one(VARIANTS[variant_name], shape, DTYPES[args.dtype], args.impls.split(","), stamp, log)
+            except ContextLost as lost:
+                rows += lost.rows
+                save_results(out_dir, rows)
+                return 3
+            save_results(out_dir, rows)
+    return 0
+
+
+def save_results(out_dir: pathlib.Path, rows: list[dict]) -> None:
+    with (out_dir / "results.csv").open("w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=COLUMNS)
+        writer.writeheader()
+        writer.writerows(rows)
+    (out_dir / "results.md").write_text(markdown(rows))
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

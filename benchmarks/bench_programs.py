@@ -24,7 +24,7 @@ import torch
 import flashlight
 
 flashlight.enable()  # explicit, so the script also runs from a checkout that is not pip-installed
-from benchmarks.bench_attention import compiled, relative_error, speedups, start_run
+from benchmarks.bench_attention import compiled, relative_error, speedups, start_run, wrong_output
 from benchmarks.evoformer_block import EvoformerBlock, block_inputs
 from benchmarks.programs import PROGRAMS, Program, diff_inputs
 
@@ -196,7 +196,8 @@ def markdown(rows: list[dict]) -> str:
         cases.setdefault((row["program"], row["size"]), {})[row["impl"]] = row
     for (program, size), impls in cases.items():
         for impl, row in impls.items():
-            lines.append(f"| {program} | {size} | {impl} | {row['ms']} | {row['tflops']} | {row['rel_err']} | "
+            err = f"**wrong** ({row['rel_err']})" if wrong_output(row, impls) else row["rel_err"]
+            lines.append(f"| {program} | {size} | {impl} | {row['ms']} | {row['tflops']} | {err} | "
                          f"{row['compile_s']} | " + " | ".join(speedups(impls, impl, ("eager", "compile", "flex"))) + " |")
     return "\n".join(lines) + "\n"
 

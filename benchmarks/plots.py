@@ -17,7 +17,15 @@ def plot(csv_path: pathlib.Path) -> list[pathlib.Path]:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = [r for r in csv.DictReader(csv_path.open()) if r["tflops"] not in ("", "nan")]
+    from benchmarks.bench_attention import wrong_output
+
+    rows = list(csv.DictReader(csv_path.open()))
+    cases: dict = {}
+    for r in rows:
+        cases.setdefault((r["variant"], r["B"], r["H"], r["M"], r["D"]), {})[r["impl"]] = r
+    # A wrong output is no point on a speed plot: the tables mark it instead.
+    rows = [r for r in rows if r["tflops"] not in ("", "nan")
+            and not wrong_output(r, cases[(r["variant"], r["B"], r["H"], r["M"], r["D"])])]
     out_dir = csv_path.parent / "plots"
     out_dir.mkdir(exist_ok=True)
     written = []

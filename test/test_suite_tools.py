@@ -30,3 +30,63 @@ def test_merge_joins_chunks_and_draws_one_plot_per_variant(tmp_path):
     assert "| causal | 16×16×1024×64 | flashlight | 1.0 |" in table and "4.00×" in table
     for variant in ("causal", "alibi"):
         assert (tmp_path / "plots" / f"{variant}.png").stat().st_size > 1000
+
+
+def _case_rows(flex_err: str) -> list[dict]:
+    stamp = dict(variant="head_bias", B=1, H=16, M=16384, N=16384, D=128, dtype="bfloat16", compile_s=1.0,
+                 device="test", torch="2.11.0", triton="3.6.0", date="2026-11-24")
+    return [dict(stamp, impl="compile", ms=17.0, tflops=128.0, rel_err="4.4e-03"),
+            dict(stamp, impl="flashlight", ms=5.7, tflops=383.0, rel_err="2.2e-03"),
+            dict(stamp, impl="flex", ms=5.6, tflops=392.0, rel_err=flex_err)]
+
+
+@pytest.mark.parametrize("flex_err", ["7.6e-01", "nan"])
+def test_a_wrong_output_is_marked_and_is_no_baseline(flex_err):
+    """Flex indexes a per-head bias of more than 2^31 elements in int32 and returns garbage (0.76) or NaN: the table
+    must say so and draw no speed ratio against it, while the other ratios stay."""
+    from benchmarks.bench_attention import markdown
+
+    table = markdown(_case_rows(flex_err))
+    flex_line = next(line for line in table.splitlines() if "| flex |" in line)
+    ours_line = next(line for line in table.splitlines() if "| flashlight |" in line)
+    ratio_cells = [cell.strip() for cell in flex_line.split("|")[-5:-1]]
+    assert f"**wrong** ({flex_err})" in flex_line and ratio_cells == ["", "", "", ""]
+    assert "2.98×" in ours_line and "0.98×" not in ours_line
+
+
+def test_an_accurate_flex_row_is_a_baseline():
+    from benchmarks.bench_attention import markdown
+
+    ours_line = next(line for line in markdown(_case_rows("2.3e-03")).splitlines() if "| flashlight |" in line)
+    assert "**wrong**" not in markdown(_case_rows("2.3e-03")) and "0.98×" in ours_line
+
+
+def test_wrong_outputs_are_left_out_of_the_plots(tmp_path, monkeypatch):
+    import matplotlib.axes
+
+    from benchmarks import plots
+
+    with (tmp_path / "results.csv").open("w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=COLUMNS)
+        writer.writeheader()
+        writer.writerows(_case_rows("7.6e-01"))
+    drawn = []
+    original = matplotlib.axes.Axes.plot
+
+    def record(self, *args, **kwargs):
+        drawn.append(kwargs.get("label"))
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(matplotlib.axes.Axes, "plot", record)
+    plots.plot(tmp_path / "results.csv")
+    assert sorted(drawn) == ["compile", "flashlight"]
+
+
+def test_a_cuda_fault_that_breaks_the_context_is_recognised():
+    import torch
+
+    from benchmarks.bench_attention import breaks_context
+
+    assert breaks_context(torch.AcceleratorError("CUDA error: an illegal memory access was encountered"))
+    assert not breaks_context(torch.AcceleratorError("CUDA error: out of memory"))
+    assert not breaks_context(RuntimeError("an illegal memory access was encountered"))
