@@ -1,6 +1,7 @@
 """The GPU suite's merge step and plots work on the CPU from chunk results (synthetic numbers, real file formats)."""
 
 import csv
+import pathlib
 
 import pytest
 
@@ -90,3 +91,59 @@ def test_a_cuda_fault_that_breaks_the_context_is_recognised():
     assert breaks_context(torch.AcceleratorError("CUDA error: an illegal memory access was encountered"))
     assert not breaks_context(torch.AcceleratorError("CUDA error: out of memory"))
     assert not breaks_context(RuntimeError("an illegal memory access was encountered"))
+
+
+def test_a_table_is_rebuilt_from_a_csv_with_wrong_rows_marked(tmp_path, monkeypatch):
+    """Old result folders are re-tabled from their CSVs (strings, not floats) when the table's rules change."""
+    from benchmarks import bench_attention
+
+    with (tmp_path / "results.csv").open("w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=COLUMNS)
+        writer.writeheader()
+        writer.writerows(_case_rows("7.6e-01"))
+    monkeypatch.setattr("sys.argv", ["bench_attention", "--table", str(tmp_path / "results.csv")])
+    assert bench_attention.main() == 0
+    table = (tmp_path / "results.md").read_text()
+    assert "**wrong** (7.6e-01)" in table and "2.98×" in table
+
+
+_POLICY_AFTER_AN_OVERLAY_OFF_COMPILE = """
+import sys
+
+import torch
+import flashlight
+from torch._inductor.utils import run_and_get_code
+from benchmarks import variants
+from benchmarks.bench_attention import register_sdpa_patterns_under_overlay
+
+register_sdpa_patterns_under_overlay("cpu")
+if sys.argv[1] == "warm-up only":
+    sys.exit(0)
+q, k, v = (torch.randn(2, 2, 32, 16) for _ in range(3))
+mask = (torch.arange(32)[None] < torch.tensor([[20], [32]])).long()
+outcome = []
+for overlay in (False, True):
+    torch._dynamo.reset()
+    with flashlight.enabled(overlay):
+        _, code = run_and_get_code(torch.compile(variants.key_padding_finfo_min), q, k, v, mask)
+    outcome.append("sdpa" if "scaled_dot_product" in "".join(code) else "declined")
+print("OUTCOME", *outcome)
+"""
+
+
+def test_the_benchmark_warm_up_registers_sdpa_patterns_past_a_warm_cache(tmp_path):
+    """The benchmarks compile `compile` rows (overlay off) before `flashlight` rows. The second process shares the
+    first one's cache (which only warmed up), so a cached warm-up would run no joint-graph pass, the overlay-off
+    compile would register upstream's SDPA patterns with upstream's check alone, and the masked key padding would go
+    to SDPA under the default policy (as in the first consolidated grid of the twenty-second session)."""
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "cache"), TORCH_DEVICE_BACKEND_AUTOLOAD="0",
+               PYTHONPATH=str(pathlib.Path(__file__).resolve().parents[1]))
+    for step in ("warm-up only", "compile"):
+        result = subprocess.run([sys.executable, "-c", _POLICY_AFTER_AN_OVERLAY_OFF_COMPILE, step], env=env,
+                                capture_output=True, text=True, timeout=600)
+        assert result.returncode == 0, result.stderr[-2000:]
+    assert "OUTCOME sdpa declined" in result.stdout, result.stdout[-2000:]

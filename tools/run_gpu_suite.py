@@ -59,8 +59,6 @@ def merge(out: pathlib.Path) -> None:
         writer = csv.DictWriter(handle, fieldnames=COLUMNS)
         writer.writeheader()
         writer.writerows(rows)
-    for row in rows:
-        row["ms"] = float(row["ms"])
     (out / "results.md").write_text(markdown(rows))
     for path in plot(out / "results.csv"):
         print(path)
