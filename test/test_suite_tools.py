@@ -147,3 +147,14 @@ def test_the_benchmark_warm_up_registers_sdpa_patterns_past_a_warm_cache(tmp_pat
                                 capture_output=True, text=True, timeout=600)
         assert result.returncode == 0, result.stderr[-2000:]
     assert "OUTCOME sdpa declined" in result.stdout, result.stdout[-2000:]
+
+
+def test_the_grid_summary_counts_cells_under_each_target_and_skips_wrong_baselines():
+    from tools import grid_summary
+
+    rows = _case_rows("7.6e-01") + [dict(row, B=8, M=2048, N=2048) for row in _case_rows("2.0e-03")]
+    rows[-1]["ms"] = 6.0  # flex at the second shape: 6.0 / 5.7 = 1.053×
+    text = grid_summary.summary(rows)
+    assert "flashlight vs flex: 1 cells, geomean 1.053×, worst 1.053×, 0 under 1.0×" in text
+    assert "flashlight vs compile: 2 cells, geomean 2.982×, worst 2.982×, 2 under 5.0×" in text
+    assert "wrong outputs: 1\n  flex head_bias 1×16×16384×128 (rel err 7.6e-01)" in text

@@ -1,0 +1,73 @@
+"""Summarise a benchmark CSV against issue 5's targets: for each baseline, how many times faster ``flashlight`` ran
+(geomean, worst cell, every cell under the target), and which rows computed a wrong output.
+
+    python tools/grid_summary.py benchmarks/results/<run>/results.csv [--ours flashlight]
+
+A cell counts only where both rows ran and neither output is wrong (``bench_attention.wrong_output``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import math
+import pathlib
+import sys
+
+# Each baseline and the speed-up issue 5 asks of us against it.
+TARGETS = {"flex": 1.0, "flex_formula": 1.0, "sdpa": 0.9, "compile": 5.0}
+
+
+def cases(rows: list[dict]) -> dict[tuple, dict[str, dict]]:
+    by_case: dict[tuple, dict[str, dict]] = {}
+    for row in rows:
+        by_case.setdefault((row["variant"], int(row["B"]), int(row["H"]), int(row["M"]), int(row["D"])), {})[row["impl"]] = row
+    return by_case
+
+
+def speedups_over(by_case: dict[tuple, dict[str, dict]], base: str, ours: str) -> dict[tuple, float]:
+    from benchmarks.bench_attention import wrong_output
+
+    ratios = {}
+    for case, impls in by_case.items():
+        mine, theirs = impls.get(ours), impls.get(base)
+        if mine is None or theirs is None or wrong_output(mine, impls) or wrong_output(theirs, impls):
+            continue
+        mine_ms, their_ms = float(mine["ms"]), float(theirs["ms"])
+        if mine_ms == mine_ms and their_ms == their_ms:
+            ratios[case] = their_ms / mine_ms
+    return ratios
+
+
+def summary(rows: list[dict], ours: str = "flashlight") -> str:
+    from benchmarks.bench_attention import wrong_output
+
+    by_case = cases(rows)
+    lines = []
+    for base, target in TARGETS.items():
+        ratios = speedups_over(by_case, base, ours)
+        if not ratios:
+            continue
+        geomean = math.exp(sum(math.log(r) for r in ratios.values()) / len(ratios))
+        short = sorted((r, case) for case, r in ratios.items() if r < target)
+        lines.append(f"{ours} vs {base}: {len(ratios)} cells, geomean {geomean:.3f}×, worst {min(ratios.values()):.3f}×, "
+                     f"{len(short)} under {target}×")
+        lines += [f"  {r:.3f}×  {case[0]} {case[1]}×{case[2]}×{case[3]}×{case[4]}" for r, case in short]
+    wrong = [(case, impl, row["rel_err"]) for case, impls in by_case.items() for impl, row in impls.items()
+             if wrong_output(row, impls)]
+    lines.append(f"wrong outputs: {len(wrong)}")
+    lines += [f"  {impl} {case[0]} {case[1]}×{case[2]}×{case[3]}×{case[4]} (rel err {err})" for case, impl, err in wrong]
+    return "\n".join(lines) + "\n"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("csv", type=pathlib.Path)
+    parser.add_argument("--ours", default="flashlight")
+    args = parser.parse_args()
+    sys.stdout.write(summary(list(csv.DictReader(args.csv.open())), args.ours))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
