@@ -222,13 +222,18 @@ def bench_one(variant: Variant, shape: Shape, dtype: torch.dtype, impls: list[st
     return rows
 
 
+def cases(rows: list[dict]) -> dict[tuple, dict[str, dict]]:
+    """The rows of each case (variant, B, H, M, D), by implementation."""
+    by_case: dict[tuple, dict[str, dict]] = {}
+    for row in rows:
+        by_case.setdefault((row["variant"], row["B"], row["H"], row["M"], row["D"]), {})[row["impl"]] = row
+    return by_case
+
+
 def markdown(rows: list[dict]) -> str:
     lines = ["| variant | B×H×S×D | impl | ms | TFLOP/s | rel err | compile s | vs compile | vs flex | vs sdpa | vs flex_formula |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
-    by_case: dict = {}
-    for row in rows:
-        by_case.setdefault((row["variant"], row["B"], row["H"], row["M"], row["D"]), {})[row["impl"]] = row
-    for (variant, b, h, s, d), impls in by_case.items():
+    for (variant, b, h, s, d), impls in cases(rows).items():
         for impl, row in impls.items():
             err = f"**wrong** ({row['rel_err']})" if wrong_output(row, impls) else row["rel_err"]
             lines.append(f"| {variant} | {b}×{h}×{s}×{d} | {impl} | {row['ms']} | {row['tflops']} | {err} | "
@@ -236,17 +241,20 @@ def markdown(rows: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def speedup(impls: dict[str, dict], impl: str, base: str) -> Optional[float]:
+    """How many times faster ``impl`` ran than ``base`` in one case; None where either did not run or is a wrong
+    output: a fast wrong answer is not a baseline."""
+    row, other = impls.get(impl), impls.get(base)
+    if row is None or other is None or impl == base or wrong_output(row, impls) or wrong_output(other, impls):
+        return None
+    ratio = float(other["ms"]) / float(row["ms"])
+    return None if ratio != ratio else ratio
+
+
 def speedups(impls: dict[str, dict], impl: str, bases: tuple[str, ...]) -> list[str]:
-    """Table cells: how many times faster ``impl`` ran than each base implementation of the same case. No ratio is
-    drawn where either output is wrong: a fast wrong answer is not a baseline."""
-    row, cells = impls[impl], []
-    for base in bases:
-        other = impls.get(base)
-        valid = (other is not None and impl != base and float(row["ms"]) == float(row["ms"])
-                 and float(other["ms"]) == float(other["ms"]) and not wrong_output(row, impls)
-                 and not wrong_output(other, impls))
-        cells.append(f"{float(other['ms']) / float(row['ms']):.2f}×" if valid else "")
-    return cells
+    """Table cells: ``speedup`` of ``impl`` over each base implementation of the same case."""
+    ratios = (speedup(impls, impl, base) for base in bases)
+    return [f"{ratio:.2f}×" if ratio is not None else "" for ratio in ratios]
 
 
 def gpu_stamp() -> dict:

@@ -17,15 +17,11 @@ def plot(csv_path: pathlib.Path) -> list[pathlib.Path]:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from benchmarks.bench_attention import wrong_output
+    from benchmarks.bench_attention import cases, wrong_output
 
-    rows = list(csv.DictReader(csv_path.open()))
-    cases: dict = {}
-    for r in rows:
-        cases.setdefault((r["variant"], r["B"], r["H"], r["M"], r["D"]), {})[r["impl"]] = r
     # A wrong output is no point on a speed plot: the tables mark it instead.
-    rows = [r for r in rows if r["tflops"] not in ("", "nan")
-            and not wrong_output(r, cases[(r["variant"], r["B"], r["H"], r["M"], r["D"])])]
+    rows = [r for impls in cases(list(csv.DictReader(csv_path.open()))).values() for r in impls.values()
+            if r["tflops"] not in ("", "nan") and not wrong_output(r, impls)]
     out_dir = csv_path.parent / "plots"
     out_dir.mkdir(exist_ok=True)
     written = []

@@ -41,6 +41,13 @@ def _case_rows(flex_err: str) -> list[dict]:
             dict(stamp, impl="flex", ms=5.6, tflops=392.0, rel_err=flex_err)]
 
 
+def _write_csv(path, rows: list[dict]) -> None:
+    with path.open("w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=COLUMNS)
+        writer.writeheader()
+        writer.writerows(rows)
+
+
 @pytest.mark.parametrize("flex_err", ["7.6e-01", "nan"])
 def test_a_wrong_output_is_marked_and_is_no_baseline(flex_err):
     """Flex indexes a per-head bias of more than 2^31 elements in int32 and returns garbage (0.76) or NaN: the table
@@ -58,8 +65,9 @@ def test_a_wrong_output_is_marked_and_is_no_baseline(flex_err):
 def test_an_accurate_flex_row_is_a_baseline():
     from benchmarks.bench_attention import markdown
 
-    ours_line = next(line for line in markdown(_case_rows("2.3e-03")).splitlines() if "| flashlight |" in line)
-    assert "**wrong**" not in markdown(_case_rows("2.3e-03")) and "0.98×" in ours_line
+    table = markdown(_case_rows("2.3e-03"))
+    ours_line = next(line for line in table.splitlines() if "| flashlight |" in line)
+    assert "**wrong**" not in table and "0.98×" in ours_line
 
 
 def test_wrong_outputs_are_left_out_of_the_plots(tmp_path, monkeypatch):
@@ -67,10 +75,7 @@ def test_wrong_outputs_are_left_out_of_the_plots(tmp_path, monkeypatch):
 
     from benchmarks import plots
 
-    with (tmp_path / "results.csv").open("w", newline="") as handle:
-        writer = csv.DictWriter(handle, fieldnames=COLUMNS)
-        writer.writeheader()
-        writer.writerows(_case_rows("7.6e-01"))
+    _write_csv(tmp_path / "results.csv", _case_rows("7.6e-01"))
     drawn = []
     original = matplotlib.axes.Axes.plot
 
@@ -97,10 +102,7 @@ def test_a_table_is_rebuilt_from_a_csv_with_wrong_rows_marked(tmp_path, monkeypa
     """Old result folders are re-tabled from their CSVs (strings, not floats) when the table's rules change."""
     from benchmarks import bench_attention
 
-    with (tmp_path / "results.csv").open("w", newline="") as handle:
-        writer = csv.DictWriter(handle, fieldnames=COLUMNS)
-        writer.writeheader()
-        writer.writerows(_case_rows("7.6e-01"))
+    _write_csv(tmp_path / "results.csv", _case_rows("7.6e-01"))
     monkeypatch.setattr("sys.argv", ["bench_attention", "--table", str(tmp_path / "results.csv")])
     assert bench_attention.main() == 0
     table = (tmp_path / "results.md").read_text()

@@ -18,34 +18,19 @@ import sys
 TARGETS = {"flex": 1.0, "flex_formula": 1.0, "sdpa": 0.9, "compile": 5.0}
 
 
-def cases(rows: list[dict]) -> dict[tuple, dict[str, dict]]:
-    by_case: dict[tuple, dict[str, dict]] = {}
-    for row in rows:
-        by_case.setdefault((row["variant"], int(row["B"]), int(row["H"]), int(row["M"]), int(row["D"])), {})[row["impl"]] = row
-    return by_case
+def speedups_over(rows: list[dict], base: str, ours: str) -> dict[tuple, float]:
+    from benchmarks.bench_attention import cases, speedup
 
-
-def speedups_over(by_case: dict[tuple, dict[str, dict]], base: str, ours: str) -> dict[tuple, float]:
-    from benchmarks.bench_attention import wrong_output
-
-    ratios = {}
-    for case, impls in by_case.items():
-        mine, theirs = impls.get(ours), impls.get(base)
-        if mine is None or theirs is None or wrong_output(mine, impls) or wrong_output(theirs, impls):
-            continue
-        mine_ms, their_ms = float(mine["ms"]), float(theirs["ms"])
-        if mine_ms == mine_ms and their_ms == their_ms:
-            ratios[case] = their_ms / mine_ms
-    return ratios
+    ratios = {case: speedup(impls, ours, base) for case, impls in cases(rows).items()}
+    return {case: ratio for case, ratio in ratios.items() if ratio is not None}
 
 
 def summary(rows: list[dict], ours: str = "flashlight") -> str:
-    from benchmarks.bench_attention import wrong_output
+    from benchmarks.bench_attention import cases, wrong_output
 
-    by_case = cases(rows)
     lines = []
     for base, target in TARGETS.items():
-        ratios = speedups_over(by_case, base, ours)
+        ratios = speedups_over(rows, base, ours)
         if not ratios:
             continue
         geomean = math.exp(sum(math.log(r) for r in ratios.values()) / len(ratios))
@@ -53,7 +38,7 @@ def summary(rows: list[dict], ours: str = "flashlight") -> str:
         lines.append(f"{ours} vs {base}: {len(ratios)} cells, geomean {geomean:.3f}×, worst {min(ratios.values()):.3f}×, "
                      f"{len(short)} under {target}×")
         lines += [f"  {r:.3f}×  {case[0]} {case[1]}×{case[2]}×{case[3]}×{case[4]}" for r, case in short]
-    wrong = [(case, impl, row["rel_err"]) for case, impls in by_case.items() for impl, row in impls.items()
+    wrong = [(case, impl, row["rel_err"]) for case, impls in cases(rows).items() for impl, row in impls.items()
              if wrong_output(row, impls)]
     lines.append(f"wrong outputs: {len(wrong)}")
     lines += [f"  {impl} {case[0]} {case[1]}×{case[2]}×{case[3]}×{case[4]} (rel err {err})" for case, impl, err in wrong]

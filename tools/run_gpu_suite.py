@@ -49,17 +49,13 @@ def run_chunk(index: int, out: pathlib.Path, impls: str, timeout_s: int) -> int:
 
 
 def merge(out: pathlib.Path) -> None:
-    from benchmarks.bench_attention import COLUMNS, markdown
+    from benchmarks.bench_attention import save_results
     from benchmarks.plots import plot
 
     rows = []
     for part in sorted((out / "chunks").glob("*/results.csv")):
         rows += list(csv.DictReader(part.open()))
-    with (out / "results.csv").open("w", newline="") as handle:
-        writer = csv.DictWriter(handle, fieldnames=COLUMNS)
-        writer.writeheader()
-        writer.writerows(rows)
-    (out / "results.md").write_text(markdown(rows))
+    save_results(out, rows)
     for path in plot(out / "results.csv"):
         print(path)
 
