@@ -135,18 +135,6 @@ def wrong_output(row: dict, case: dict[str, dict]) -> bool:
     return any(float(other["rel_err"]) == float(other["rel_err"]) for other in case.values())
 
 
-def register_sdpa_patterns_under_overlay(device: str) -> None:
-    """Upstream registers its SDPA patterns, taking the check our policy wraps, at the first joint-graph pass of the
-    process (per device). Run that pass now, with the overlay on as autoload does for users, and past every cache (a
-    cache hit runs no pass): otherwise a `compile` row, compiled with the overlay off, registers them with
-    upstream's check alone and the `flashlight` rows after it get SDPA where the policy declines it."""
-    from torch._inductor.utils import fresh_cache
-
-    with flashlight.enabled(True), fresh_cache():
-        torch.compile(lambda x: torch.softmax(x @ x.transpose(-1, -2), -1) @ x)(torch.randn(2, 8, 8, device=device))
-    torch._dynamo.reset()
-
-
 def bench_one(variant: Variant, shape: Shape, dtype: torch.dtype, impls: list[str], stamp: dict, log: Callable) -> list[dict]:
     import triton
 
@@ -297,7 +285,6 @@ def main() -> int:
         return 0
     out_dir = pathlib.Path(args.out)
     stamp, log = start_run(out_dir)
-    register_sdpa_patterns_under_overlay("cuda")
     rows: list[dict] = []
     for variant_name in args.variants.split(","):
         for shape_text in args.shapes.split(","):

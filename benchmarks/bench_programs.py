@@ -26,7 +26,6 @@ import flashlight
 flashlight.enable()  # explicit, so the script also runs from a checkout that is not pip-installed
 from benchmarks.bench_attention import (
     compiled,
-    register_sdpa_patterns_under_overlay,
     relative_error,
     speedups,
     start_run,
@@ -220,7 +219,6 @@ def main() -> None:
     args = parser.parse_args()
     out_dir = pathlib.Path(args.out)
     stamp, log = start_run(out_dir)
-    register_sdpa_patterns_under_overlay("cuda")
     rows: list[dict] = []
 
     def save() -> None:

@@ -1,5 +1,6 @@
 """The patch manifest: all-or-nothing apply, identity-restoring revert, version and fingerprint guards."""
 
+import dataclasses
 import warnings
 
 import pytest
@@ -99,3 +100,57 @@ def test_class_attribute_patch_reverts_to_the_stored_descriptor():
     assert Scheduler.__dict__["can_fuse"] is not original
     core.revert()
     assert Scheduler.__dict__["can_fuse"] is original
+
+
+def test_a_reference_captured_before_apply_follows_the_patch_and_comes_back_on_revert():
+    flashlight.disable()
+    original_inner = torch._inductor.compile_fx.compile_fx_inner
+
+    def register(check):  # upstream code that took the target once, as a closure does
+        return lambda: check
+
+    registered_check = register(original_inner)
+    cell = registered_check.__closure__[0]
+    entry = dataclasses.replace(_entry(core.fingerprint(original_inner)), captured_by=lambda: [cell])
+    core.apply((entry,))
+    try:
+        assert registered_check() is torch._inductor.compile_fx.compile_fx_inner is not original_inner
+    finally:
+        core.revert()
+    assert registered_check() is original_inner
+    assert torch._inductor.compile_fx.compile_fx_inner is original_inner
+
+
+_POLICY_AFTER_AN_OVERLAY_OFF_FIRST_COMPILE = """
+import torch
+import flashlight
+from torch._inductor.utils import run_and_get_code
+from benchmarks import variants
+
+q, k, v = (torch.randn(2, 2, 32, 16) for _ in range(3))
+mask = (torch.arange(32)[None] < torch.tensor([[20], [32]])).long()
+outcome = []
+for overlay in (False, True, False):
+    torch._dynamo.reset()
+    with flashlight.enabled(overlay):
+        _, code = run_and_get_code(torch.compile(variants.key_padding_finfo_min), q, k, v, mask)
+    outcome.append("sdpa" if "scaled_dot_product" in "".join(code) else "declined")
+print("OUTCOME", *outcome)
+"""
+
+
+def test_the_sdpa_policy_reaches_patterns_registered_while_the_overlay_was_off(tmp_path):
+    """A process whose first compilation runs with the overlay off registers upstream's SDPA patterns holding
+    upstream's check. Under the default policy the masked key padding must still be declined (fused by the overlay)
+    once the overlay is on, and go to SDPA again once it is off."""
+    import os
+    import pathlib
+    import subprocess
+    import sys
+
+    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "cache"), TORCH_DEVICE_BACKEND_AUTOLOAD="0",
+               PYTHONPATH=str(pathlib.Path(__file__).resolve().parents[1]))
+    result = subprocess.run([sys.executable, "-c", _POLICY_AFTER_AN_OVERLAY_OFF_FIRST_COMPILE], env=env,
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "OUTCOME sdpa declined sdpa" in result.stdout, result.stdout[-2000:]

@@ -7,7 +7,7 @@ import hashlib
 import importlib
 import inspect
 import threading
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterable, Optional, Sequence
 
 SUPPORTED_TORCH = "2.11."
 
@@ -31,6 +31,10 @@ class Patch:
     ``make_replacement(original)`` returns the object installed in place of ``module.qualname``;
     wrappers receive the original so they can call it. ``fingerprint`` is the sha256 of the
     upstream target's source when the patch was written (``tools/refresh_fingerprints.py``).
+
+    Upstream code that took a reference to the target before the patch applied (a closure registered once per
+    process) keeps calling the original. ``captured_by()``, where given, lists the closure cells that may hold such a
+    reference: those holding the original point at the replacement while the patch is applied.
     """
 
     module: str
@@ -38,6 +42,7 @@ class Patch:
     make_replacement: Callable[[Any], Any]
     fingerprint: str
     why: str = ""
+    captured_by: Optional[Callable[[], Iterable[Any]]] = None
 
     @property
     def target(self) -> str:
@@ -66,6 +71,7 @@ def fingerprint(obj: Any) -> str:
 
 _lock = threading.RLock()
 _originals: dict[str, tuple[Patch, Any]] = {}
+_rebound_cells: list[tuple[Any, Any, Any]] = []  # (cell, original, replacement)
 
 
 def is_applied() -> bool:
@@ -109,7 +115,9 @@ def apply(manifest: Sequence[Patch] | None = None) -> None:
                 original = patch.current()
                 owner, name = patch.owner_and_name()
                 _originals[patch.target] = (patch, original)
-                setattr(owner, name, patch.make_replacement(original))
+                replacement = patch.make_replacement(original)
+                setattr(owner, name, replacement)
+                _rebind_captured(patch, original, replacement)
         except BaseException:
             revert()
             raise
@@ -118,7 +126,20 @@ def apply(manifest: Sequence[Patch] | None = None) -> None:
 def revert() -> None:
     """Put every original object back (identity, not a copy)."""
     with _lock:
+        for cell, original, replacement in reversed(_rebound_cells):
+            if cell.cell_contents is replacement:
+                cell.cell_contents = original
+        _rebound_cells.clear()
         for patch, original in reversed(list(_originals.values())):
             owner, name = patch.owner_and_name()
             setattr(owner, name, original)
         _originals.clear()
+
+
+def _rebind_captured(patch: Patch, original: Any, replacement: Any) -> None:
+    if patch.captured_by is None:
+        return
+    for cell in patch.captured_by():
+        if cell.cell_contents is original:
+            cell.cell_contents = replacement
+            _rebound_cells.append((cell, original, replacement))

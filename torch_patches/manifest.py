@@ -18,6 +18,12 @@ def _wrap_sfdp_params_check(original):
     return wrap_sfdp_params_check(original)
 
 
+def _sfdp_check_cells():
+    from inductor_overlay.fx_passes.fuse_attention import registered_pattern_check_cells
+
+    return registered_pattern_check_cells()
+
+
 MANIFEST: tuple[Patch, ...] = (
     Patch(
         module="torch._inductor.compile_fx",
@@ -32,5 +38,6 @@ MANIFEST: tuple[Patch, ...] = (
         make_replacement=_wrap_sfdp_params_check,
         fingerprint="b69be414a84b5e655bb23c38ef3dadb0890b53fcadabfc6787bbd9902e357f2a",
         why="SDPA pattern policy: lets config.sdpa_pattern_policy='flashlight' decline upstream's rewrite to SDPA",
+        captured_by=_sfdp_check_cells,
     ),
 )

@@ -9,15 +9,15 @@ declined where ``fx_passes/sdpa_route.py`` takes it: the route gives SDPA the un
 upstream's rewrite copies the repeated ones first.
 
 Upstream registers some of its patterns with a reference to ``_sfdp_params_check`` taken once per process, when
-the first graph is compiled. The wrapper therefore also answers as upstream whenever the patches are reverted, and
-the policy only reaches those patterns if Flashlight was active at the process's first compilation (the normal
-case: autoload activates it when Inductor is imported).
+the first graph of a device is compiled. Patterns registered while the patches are applied hold the wrapper, which
+answers as upstream whenever they are reverted; patterns registered while they were reverted hold upstream's check,
+and :func:`registered_pattern_check_cells` lets the patch point those at the wrapper while it is applied.
 """
 
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -48,3 +48,18 @@ def wrap_sfdp_params_check(upstream_check: Callable[[Any], bool]) -> Callable[[A
         return upstream_check(match)
 
     return _sfdp_params_check
+
+
+def registered_pattern_check_cells() -> Iterator[Any]:
+    """The closure cells of the checks of the patterns registered so far in upstream's joint-graph pass: where
+    upstream's ``register_replacement`` keeps the ``extra_check`` it was given."""
+    from torch._inductor.fx_passes.joint_graph import patterns
+
+    for entries in list(patterns.patterns.values()):
+        for entry in entries:
+            for cell in getattr(getattr(entry, "extra_check", None), "__closure__", None) or ():
+                try:
+                    cell.cell_contents
+                except ValueError:  # a cell not yet filled
+                    continue
+                yield cell
