@@ -25,6 +25,7 @@ import flashlight
 
 flashlight.enable()  # explicit, so the script also runs from a checkout that is not pip-installed
 from benchmarks.bench_attention import (
+    FLASHLIGHT_POLICIES,
     compiled,
     relative_error,
     speedups,
@@ -137,8 +138,9 @@ def bench_program(program: Program, size: dict, impls: list[str], stamp: dict, l
                 run, out = compiled(approximation, overlay=False)(**inputs)
                 torch.cuda.synchronize()
                 compile_s = time.perf_counter() - start
-            elif impl in ("compile", "flashlight", "flashlight_two_kernels"):
+            elif impl in ("compile", "flashlight", "flashlight_two_kernels", *FLASHLIGHT_POLICIES):
                 policy = {"combine_head_groups_in_kernel": False} if impl == "flashlight_two_kernels" else {}
+                policy = FLASHLIGHT_POLICIES.get(impl, policy)
                 start = time.perf_counter()
                 run, out = compiled(fn, overlay=impl != "compile", **policy)(**inputs)
                 torch.cuda.synchronize()

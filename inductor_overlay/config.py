@@ -103,6 +103,9 @@ fast_tanh: bool = os.environ.get("FLASHLIGHT_FAST_TANH", "1") != "0"
 # 1, flush to 0); k >= 2: of every k consecutive logits, one takes a polynomial exp2 on the fma units instead
 # (relative error 2.7e-6; see kernel/online_softmax_attention.py, EXP2_POLYNOMIAL).
 exp2_pack: int = int(os.environ.get("FLASHLIGHT_EXP2_PACK", "0"))
+# Rescale the accumulator and row sum only on the column tiles where some row's max grew by more than 2^8
+# (kernel/lazy_rescale.py), not on every tile.
+lazy_rescale: bool = os.environ.get("FLASHLIGHT_LAZY_RESCALE", "0") != "0"
 
 # Under "sdpa" and "unmasked_sdpa", attention SDPA's fused kernels compute exactly (constant scale, no mask or the
 # top-left causal mask, K/V read directly or repeated over query-head groups, fp16/bf16) runs as SDPA on these device
