@@ -42,12 +42,6 @@ FLASHLIGHT_POLICIES: dict[str, dict[str, Any]] = {
     "flashlight_causal_kernel": {"sdpa_route_devices": ()},
     "flashlight_libdevice_tanh": {"fast_tanh": False},
     "flashlight_all_rows_table": {"row_invariant_mask_blocks": False},
-    "flashlight_exp2_tl": {"exp2_pack": 0},
-    "flashlight_exp2_ftz": {"exp2_pack": 1},
-    "flashlight_exp2_pack2": {"exp2_pack": 2},
-    "flashlight_exp2_pack4": {"exp2_pack": 4},
-    "flashlight_lazy_rescale": {"lazy_rescale": True},
-    "flashlight_eager_rescale": {"lazy_rescale": False},
 }
 COLUMNS = "variant,impl,B,H,M,N,D,dtype,ms,tflops,rel_err,compile_s,device,torch,triton,date".split(",")
 # Norm-wise relative error above which an output counts as wrong. Correct bf16 rows land between 2e-3 and 3e-2 (the

@@ -97,15 +97,6 @@ sdpa_pattern_policy: str = os.environ.get("FLASHLIGHT_SDPA_PATTERN_POLICY", "unm
 # tanhf; eager rounds that result to 16 bits (bf16: up to 3.9e-3). Soft-cap on the H100: 1.6-1.8x faster
 # (benchmarks/results/h100_2026-11-23_gqa_route_fast_tanh/fast_tanh/).
 fast_tanh: bool = os.environ.get("FLASHLIGHT_FAST_TANH", "1") != "0"
-# The exp2 of the probabilities (one per logit; the GPU's special-function unit does 16 a cycle per SM, an eighth
-# of its fma rate, so at head dim 64 it bounds the kernel), where they are rounded to fp16/bf16 for P·V, on CUDA:
-# 0: Triton's tl.exp2; 1: ex2.approx.ftz.f32 (results below 2^-126, which weigh nothing against the row's max of
-# 1, flush to 0); k >= 2: of every k consecutive logits, one takes a polynomial exp2 on the fma units instead
-# (relative error 2.7e-6; see kernel/online_softmax_attention.py, EXP2_POLYNOMIAL).
-exp2_pack: int = int(os.environ.get("FLASHLIGHT_EXP2_PACK", "0"))
-# Rescale the accumulator and row sum only on the column tiles where some row's max grew by more than 2^8
-# (kernel/lazy_rescale.py), not on every tile.
-lazy_rescale: bool = os.environ.get("FLASHLIGHT_LAZY_RESCALE", "0") != "0"
 
 # Under "sdpa" and "unmasked_sdpa", attention SDPA's fused kernels compute exactly (constant scale, no mask or the
 # top-left causal mask, K/V read directly or repeated over query-head groups, fp16/bf16) runs as SDPA on these device

@@ -37,8 +37,6 @@ from torch.utils._sympy.functions import ModularIndexing
 
 from inductor_overlay import config as overlay_config
 from inductor_overlay.fx_passes.block_sparsity import MASK_TABLE_CELL
-from inductor_overlay.kernel.lazy_rescale import with_lazy_rescale
-from inductor_overlay.kernel.probability_exp2 import exp2_asm, probability_exp2_pack, with_probability_exp2
 from inductor_overlay.ops import SCORE_CHAINS
 
 # Dimension elimination keeps a whole head dim in one tile; above this a tile would not fit in registers.
@@ -569,8 +567,6 @@ def online_softmax_attention_template(
     wide_logits: bool = False,
     exact_subgraph: Optional[int] = None,
     shared_v: bool = False,
-    exp2_pack: int = 0,
-    lazy_rescale: bool = False,
 ) -> TritonTemplate:
     """The kernel template for operands with the given numbers of batch dims (q, kᵀ, v and, if there is a fourth,
     the sink), position mask (tests for entirely masked and entirely visible tiles), normalisation (softmax, or
@@ -579,8 +575,7 @@ def online_softmax_attention_template(
     its row and column ids, or None), mask tensor (the subgraph of its cell states, or None) and whether logits
     may come near -FLT_MAX (``RUNNING_MAX_AND_P_WIDE``), and the subgraph of the whole chain when the loops run
     it without its finite guards (``SPECULATION_CHECK``), or None; ``shared_v``: the heads of a group share one
-    pass (``SHARED_V_INTRO``; a softmax with no sink, pair reduction, id mask or mask table); ``exp2_pack``: the
-    probabilities' exp2 as inline PTX (``probability_exp2.py``), or 0 for ``tl.exp2``."""
+    pass (``SHARED_V_INTRO``; a softmax with no sink, pair reduction, id mask or mask table)."""
     names = ["Q", "KT", "V", "SINK"][: len(batch_ranks)] + (["COEF"] if groups > 1 else [])
     names += ["PARTIAL"] if groups > 1 and not shared_v else []
     if not softmax:
@@ -628,9 +623,7 @@ def online_softmax_attention_template(
             exact_head = head_with(_exact_loop(exact_subgraph)) if exact_subgraph is not None else None
             heads = _grouped_heads(head_with(loops), exact_head)
     source = ATTENTION_HEAD.replace("INPUT_NAMES", ", ".join(f'"{name}"' for name in names)) + heads + _attention_tail(output_batch)
-    if lazy_rescale:
-        source = with_lazy_rescale(source) or source
-    return _template_of(with_probability_exp2(source) if exp2_pack else source)
+    return _template_of(source)
 
 
 @functools.lru_cache(maxsize=None)
@@ -1027,12 +1020,8 @@ def _lower_attention(q, kt, v, captured, sink, chain_id, group_coefficients=None
     template_key = (
         ranks, chain.masked_tile_code, chain.softmax, groups, chain.visible_tile_code if visible_loop else None, pair_rank,
         tuple(output_batch) if output_batch is not None else (0,), id_subgraphs, table_subgraph, chain.wide_logits,
-        exact_subgraph, shared_v, probability_exp2_pack(device, chain.probability_dtype), overlay_config.lazy_rescale,
+        exact_subgraph, shared_v,
     )
-    exp2_constants = {}
-    if template_key[-2]:
-        asm, constraints = exp2_asm(template_key[-2])
-        exp2_constants = dict(EXP2_ASM=repr(asm), EXP2_CONSTRAINTS=repr(constraints), EXP2_PACK=template_key[-2])
     logit_scale, sink_scale = LOG2E * chain.folded_scale, chain.sink_scale * LOG2E
     tiny_logit_scale = _power_of_two_below(logit_scale)
     choices: list[Any] = []
@@ -1079,7 +1068,6 @@ def _lower_attention(q, kt, v, captured, sink, chain_id, group_coefficients=None
             # through (a per-head bias, a mask) is read once: K and V get to stay in L2.
             KV_EVICTION="'evict_last'" if element_bytes > 0 else "''",
             **speculation,
-            **exp2_constants,
             **{key: value for key, value in config.items() if key != "partial_stages"},
         )
         if error is not None:
