@@ -210,11 +210,11 @@ def bench_one(variant: Variant, shape: Shape, dtype: torch.dtype, impls: list[st
     return rows
 
 
-def cases(rows: list[dict]) -> dict[tuple, dict[str, dict]]:
-    """The rows of each case (variant, B, H, M, D), by implementation."""
+def cases(rows: list[dict], keys: tuple[str, ...] = ("variant", "B", "H", "M", "D")) -> dict[tuple, dict[str, dict]]:
+    """The rows of each case (the rows' values under ``keys``), by implementation."""
     by_case: dict[tuple, dict[str, dict]] = {}
     for row in rows:
-        by_case.setdefault((row["variant"], row["B"], row["H"], row["M"], row["D"]), {})[row["impl"]] = row
+        by_case.setdefault(tuple(row[key] for key in keys), {})[row["impl"]] = row
     return by_case
 
 

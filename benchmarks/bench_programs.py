@@ -26,6 +26,7 @@ import flashlight
 flashlight.enable()  # explicit, so the script also runs from a checkout that is not pip-installed
 from benchmarks.bench_attention import (
     FLASHLIGHT_POLICIES,
+    cases,
     compiled,
     relative_error,
     speedups,
@@ -34,6 +35,9 @@ from benchmarks.bench_attention import (
 )
 from benchmarks.evoformer_block import EvoformerBlock, block_inputs
 from benchmarks.programs import PROGRAMS, Program, diff_inputs
+
+# bench_attention's one-feature A/B impls, and DiffAttn's head combination in a kernel of its own.
+PROGRAM_POLICIES = {**FLASHLIGHT_POLICIES, "flashlight_two_kernels": {"combine_head_groups_in_kernel": False}}
 
 COLUMNS = "program,impl,size,ms,tflops,rel_err,compile_s,fused,kernels_note,device,torch,triton,date".split(",")
 
@@ -138,9 +142,8 @@ def bench_program(program: Program, size: dict, impls: list[str], stamp: dict, l
                 run, out = compiled(approximation, overlay=False)(**inputs)
                 torch.cuda.synchronize()
                 compile_s = time.perf_counter() - start
-            elif impl in ("compile", "flashlight", "flashlight_two_kernels", *FLASHLIGHT_POLICIES):
-                policy = {"combine_head_groups_in_kernel": False} if impl == "flashlight_two_kernels" else {}
-                policy = FLASHLIGHT_POLICIES.get(impl, policy)
+            elif impl in ("compile", "flashlight", *PROGRAM_POLICIES):
+                policy = PROGRAM_POLICIES.get(impl, {})
                 start = time.perf_counter()
                 run, out = compiled(fn, overlay=impl != "compile", **policy)(**inputs)
                 torch.cuda.synchronize()
@@ -199,10 +202,7 @@ def bench_evoformer_block(stamp: dict, log: Callable, **size: int) -> list[dict]
 def markdown(rows: list[dict]) -> str:
     lines = ["| program | size | impl | ms | TFLOP/s | rel err | compile s | vs eager | vs compile | vs flex |",
              "|---|---|---|---|---|---|---|---|---|---|"]
-    cases: dict = {}
-    for row in rows:
-        cases.setdefault((row["program"], row["size"]), {})[row["impl"]] = row
-    for (program, size), impls in cases.items():
+    for (program, size), impls in cases(rows, ("program", "size")).items():
         for impl, row in impls.items():
             err = f"**wrong** ({row['rel_err']})" if wrong_output(row, impls) else row["rel_err"]
             lines.append(f"| {program} | {size} | {impl} | {row['ms']} | {row['tflops']} | {err} | "
