@@ -92,9 +92,11 @@ tile_autotuning: str = os.environ.get("FLASHLIGHT_TILE_AUTOTUNING", "max-autotun
 # only where it applies no mask: with a mask SDPA runs a kernel that reads it per element and visits every tile,
 # where the overlay skips masked tiles (see benchmarks/results for the measurements).
 sdpa_pattern_policy: str = os.environ.get("FLASHLIGHT_SDPA_PATTERN_POLICY", "unmasked_sdpa")
-# tanh in an attention kernel's score chain (soft-capping), where its input is fp16/bf16, as the GPU's tanh.approx.f32
-# (one instruction; the PTX ISA bounds its relative error by 2^-11, the H100 measured 9.9e-6) instead of libdevice's
-# tanhf; eager rounds that result to 16 bits (bf16: up to 3.9e-3). Soft-cap on the H100: 1.6-1.8x faster
+# tanh in an attention kernel's score chain (soft-capping), where eager's tanh is only 16-bit precise, as the GPU's
+# tanh.approx.f32 (one instruction; the PTX ISA bounds its relative error by 2^-11, the H100 measured 9.9e-6) instead
+# of libdevice's tanhf: a tanh of an fp16/bf16 value (eager rounds its result to 16 bits, bf16: up to 3.9e-3), or a
+# float32 tanh of the 16-bit score upcast and scaled by constants (eager's argument carries the score's rounding;
+# kernel.online_softmax_attention.tanhs_of_16_bit_precision). Soft-cap on the H100: 1.6-1.8x faster
 # (benchmarks/results/h100_2026-11-23_gqa_route_fast_tanh/fast_tanh/).
 fast_tanh: bool = os.environ.get("FLASHLIGHT_FAST_TANH", "1") != "0"
 

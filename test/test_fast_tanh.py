@@ -1,4 +1,4 @@
-"""Soft-capping's tanh as the GPU's ``tanh.approx.f32`` where its input is fp16/bf16 (``config.fast_tanh``).
+"""Soft-capping's tanh as the GPU's ``tanh.approx.f32`` where eager's tanh is 16-bit precise (``config.fast_tanh``).
 
 The CPU harness forces the GPU's choice (``approximates_tanh``) and runs the instruction as NumPy's exact tanh
 (``flashlight.testing``), so these tests pin the wiring and the dtype rule; the approximation's error was measured
@@ -39,15 +39,64 @@ def test_16_bit_soft_cap_takes_the_gpu_tanh_inside_the_attention_kernel(dtype):
     testing.assert_close_to_reference(out, reference(variants.softcap_tanh, *args))
 
 
-def test_float32_tanh_keeps_libdevice():
-    """Gemma-2's idiom here soft-caps float32 scores: eager's tanh is float32-exact, so the kernel's is too."""
+def test_float32_tanh_of_the_upcast_16_bit_score_takes_the_gpu_tanh():
+    """Gemma-2's idiom soft-caps the bf16 score upcast to float32: eager's tanh argument carries the score's bf16
+    rounding, so the instruction adds no error of a new order."""
     args = [torch.randn(1, 2, 80, 16, dtype=torch.bfloat16) for _ in range(3)]
     out, code = compile_as_on_the_gpu(variants.gemma2_local, *args)
-    text = "\n".join(code)
-    FileCheck().check("libdevice.tanh").run(text)
-    FileCheck().check_not("inline_asm").run(text)
+    (kernel,) = testing.triton_kernels(code).values()
+    FileCheck().check("for start_n").check("tl.dot").check("tanh.approx.f32").check("tl.dot").run(kernel)
+    FileCheck().check_not("libdevice.tanh").run(kernel)
     assert counters["inductor"]["flashlight_attention_fused"] == 1
     testing.assert_close_to_reference(out, reference(variants.gemma2_local, *args))
+
+
+def soft_cap_after_a_bias(q, k, v, bias):
+    scores = (q @ k.transpose(-2, -1)).float() * q.shape[-1] ** -0.5
+    return torch.softmax(50.0 * torch.tanh((scores + bias) / 50.0), dim=-1).to(q.dtype) @ v
+
+
+@pytest.mark.parametrize("program, dtype", [(variants.softcap_tanh, torch.float32), (soft_cap_after_a_bias, torch.bfloat16)])
+def test_other_float32_tanhs_keep_libdevice(program, dtype):
+    """A float32 matmul's score, or a score plus a float32 bias, is not 16-bit precise: eager's tanh is float32's."""
+    args = [torch.randn(1, 2, 80, 16, dtype=dtype) for _ in range(3)]
+    if program is soft_cap_after_a_bias:
+        args.append(torch.randn(80, 80))
+    out, code = compile_as_on_the_gpu(program, *args)
+    (kernel,) = testing.triton_kernels(code).values()
+    FileCheck().check("for start_n").check("libdevice.tanh").run(kernel)
+    FileCheck().check_not("inline_asm").run(kernel)
+    assert counters["inductor"]["flashlight_attention_fused"] == 1
+    testing.assert_close_to_reference(out, reference(program, *args))
+
+
+def chain_graph(fn, score_dtype=torch.bfloat16):
+    from torch._inductor.decomposition import select_decomp_table
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    graph_module = make_fx(fn, decomposition_table=select_decomp_table())(torch.randn(4, 4, dtype=score_dtype))
+    (placeholder,) = graph_module.graph.find_nodes(op="placeholder")
+    placeholder.target = "scores"
+    return graph_module
+
+
+@pytest.mark.parametrize(
+    "chain, score_dtype, fast",
+    [
+        (lambda s: torch.tanh(-(s.float() * 0.125) / 30.0), torch.bfloat16, True),
+        (lambda s: torch.tanh(s.float() * 0.125), torch.float16, True),
+        (lambda s: torch.tanh(s * 0.125), torch.bfloat16, True),  # a 16-bit tanh
+        (lambda s: torch.tanh(s * 0.125), torch.float32, False),
+        (lambda s: torch.tanh(s.float() * torch.full((4,), 0.5)), torch.bfloat16, False),  # a tensor, not a constant
+        (lambda s: torch.tanh(s.float() * 0.0), torch.bfloat16, False),  # zero erases the rounding
+        (lambda s: torch.tanh(s.float() + 1.0), torch.bfloat16, False),  # an add can cancel
+        (lambda s: torch.tanh(s.int().float()), torch.bfloat16, False),  # through integers
+    ],
+)
+def test_which_float32_tanhs_count_as_16_bit_precise(chain, score_dtype, fast):
+    graph_module = chain_graph(chain, score_dtype)
+    chosen = online_softmax_attention.tanhs_of_16_bit_precision(graph_module, score_dtype)
+    assert [node.target for node in chosen] == ([torch.ops.aten.tanh.default] if fast else [])
 
 
 def test_cpu_keeps_libdevice():

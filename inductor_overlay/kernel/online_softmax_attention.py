@@ -854,16 +854,57 @@ APPROXIMATE_TANH_ASM = "tanh.approx.f32 $0, $1;"
 
 
 def approximates_tanh(device: torch.device) -> bool:
-    """Whether the score chains on ``device`` take ``tanh.approx.f32`` for fp16/bf16 tanh (``config.fast_tanh``)."""
+    """Whether the score chains on ``device`` take ``tanh.approx.f32`` where eager's tanh works at 16-bit precision
+    (``config.fast_tanh``; see ``tanhs_of_16_bit_precision``)."""
     return overlay_config.fast_tanh and device.type == "cuda" and torch.version.hip is None
 
 
+# Ops that change a value's relative error by at most one float32 rounding: a tanh reached from a 16-bit score
+# through them sees, in eager, an argument that carries the score's 16-bit rounding.
+_RELATIVE_ERROR_PRESERVING = {
+    torch.ops.prims.convert_element_type.default,
+    torch.ops.aten.mul.Tensor,
+    torch.ops.aten.div.Tensor,
+    torch.ops.aten.neg.default,
+}
+
+
+def _scaled_from_16_bit_score(node: torch.fx.Node, score_dtype: torch.dtype) -> bool:
+    """Whether ``node`` is the 16-bit score placeholder times or over finite non-zero constants (any casts between)."""
+    while node.op == "call_function" and node.target in _RELATIVE_ERROR_PRESERVING:
+        operand, *others = node.args
+        if node.target is torch.ops.prims.convert_element_type.default:
+            if not others[0].is_floating_point:
+                return False
+        elif not all(isinstance(c, (int, float)) and math.isfinite(c) and c != 0 for c in others):
+            return False
+        node = operand
+    return node.op == "placeholder" and node.target == "scores" and score_dtype in (torch.float16, torch.bfloat16)
+
+
+def tanhs_of_16_bit_precision(graph_module: torch.fx.GraphModule, score_dtype: torch.dtype) -> set[torch.fx.Node]:
+    """The chain's tanh nodes whose eager result is only as precise as a 16-bit value, so that ``tanh.approx.f32``
+    (relative error at most 2^-11 by the PTX ISA) adds no error of a new order:
+
+    * a 16-bit tanh: eager rounds its result to 16 bits (bf16: relative 2^-9, fp16: 2^-11);
+    * a float32 tanh of the 16-bit score (an fp16/bf16 ``q @ kᵀ``) upcast and scaled by constants (Gemma-2's
+      ``50 * tanh(scores.float() / 50)``): eager's argument carries the score's rounding (2^-9, 2^-11 relative),
+      which moves tanh by as much relatively (its relative condition number ``2x / sinh(2x)`` is at most 1).
+
+    A float32 tanh of anything else (float32 scores, an added bias) keeps libdevice's."""
+    chosen = set()
+    for node in graph_module.graph.find_nodes(op="call_function", target=torch.ops.aten.tanh.default):
+        argument = node.args[0]
+        value = argument.meta.get("val") if isinstance(argument, torch.fx.Node) else None
+        if value is not None and value.dtype in (torch.float16, torch.bfloat16):
+            chosen.add(node)
+        elif isinstance(argument, torch.fx.Node) and _scaled_from_16_bit_score(argument, score_dtype):
+            chosen.add(node)
+    return chosen
+
+
 def approximate_tanh(x: Any) -> Any:
-    """tanh of an fp16/bf16 tensor as ``tanh.approx.f32``: eager rounds that tanh's result to 16 bits, an error at
-    least as large as the instruction's bound (bf16 2^-9, fp16 2^-11 relative). A float32 tanh keeps upstream's
-    lowering (libdevice)."""
-    if x.get_dtype() not in (torch.float16, torch.bfloat16):
-        return lowerings[aten.tanh.default](x)
+    """tanh as ``tanh.approx.f32``, for the tanhs ``tanhs_of_16_bit_precision`` picks."""
     load = x.make_loader()
 
     def inner_fn(index: Sequence[Any]) -> Any:
@@ -874,6 +915,19 @@ def approximate_tanh(x: Any) -> Any:
 
     # Kept in float32, as Inductor keeps its own 16-bit pointwise results (``codegen_upcast_to_fp32``).
     return ir.Pointwise.create(device=x.get_device(), dtype=x.get_dtype(), inner_fn=inner_fn, ranges=x.get_size())
+
+
+class _ScoreChainLowering(PointwiseSubgraphLowering):
+    """Inductor's pointwise subgraph lowering, with the tanhs in ``fast_tanhs`` lowered as ``tanh.approx.f32``."""
+
+    def __init__(self, graph_module: torch.fx.GraphModule, fast_tanhs: set[torch.fx.Node], **kwargs: Any) -> None:
+        super().__init__(graph_module, **kwargs)
+        self.fast_tanhs = fast_tanhs
+
+    def run_node(self, n: torch.fx.Node) -> Any:
+        if n in self.fast_tanhs:
+            return approximate_tanh(self.env[n.args[0]])
+        return super().run_node(n)
 
 
 def _power_of_two_below(scale: float) -> float:
@@ -892,13 +946,11 @@ def _lower_score_chain(
             layout=ir.FixedLayout(device, score_dtype, score_size, ir.FlexibleLayout.contiguous_strides(score_size)),
         )
     )
-    lowering = PointwiseSubgraphLowering(
+    lowering = _ScoreChainLowering(
         graph_module,
+        tanhs_of_16_bit_precision(graph_module, score_dtype) if fast_tanh else set(),
         root_graph_lowering=V.graph,
-        additional_lowerings={
-            aten.sum.dim_IntList: _unrolled_sum,
-            **({aten.tanh.default: approximate_tanh} if fast_tanh else {}),
-        },
+        additional_lowerings={aten.sum.dim_IntList: _unrolled_sum},
     )
     with V.set_graph_handler(lowering):
         lowering.run(score, *captured)
