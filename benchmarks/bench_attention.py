@@ -41,7 +41,6 @@ FLASHLIGHT_POLICIES: dict[str, dict[str, Any]] = {
     "flashlight_causal_sdpa": {"sdpa_route_devices": ("cuda",)},
     "flashlight_causal_kernel": {"sdpa_route_devices": ()},
     "flashlight_libdevice_tanh": {"fast_tanh": False},
-    "flashlight_true_division": {"constant_divisions_as_products": False},
     "flashlight_all_rows_table": {"row_invariant_mask_blocks": False},
 }
 COLUMNS = "variant,impl,B,H,M,N,D,dtype,ms,tflops,rel_err,compile_s,device,torch,triton,date".split(",")

@@ -100,10 +100,6 @@ sdpa_pattern_policy: str = os.environ.get("FLASHLIGHT_SDPA_PATTERN_POLICY", "unm
 # (benchmarks/results/h100_2026-11-23_gqa_route_fast_tanh/fast_tanh/).
 fast_tanh: bool = os.environ.get("FLASHLIGHT_FAST_TANH", "1") != "0"
 
-# A score chain's division by a constant as a product with its reciprocal: on the GPU a float32 quotient takes a
-# reciprocal on the special-function unit (div.full.f32), which soft-capping's tanh and the exp2 also need.
-constant_divisions_as_products: bool = os.environ.get("FLASHLIGHT_CONSTANT_DIVISIONS_AS_PRODUCTS", "1") != "0"
-
 # Under "sdpa" and "unmasked_sdpa", attention SDPA's fused kernels compute exactly (constant scale, no mask or the
 # top-left causal mask, K/V read directly or repeated over query-head groups, fp16/bf16) runs as SDPA on these device
 # types (fx_passes/sdpa_route.py); "flashlight" keeps it fused. On the H100 the route ran causal attention at

@@ -17,7 +17,6 @@ import itertools
 import math
 import os
 import re
-import sys
 from typing import Any, Optional, Sequence
 
 import sympy
@@ -918,16 +917,6 @@ def approximate_tanh(x: Any) -> Any:
     return ir.Pointwise.create(device=x.get_device(), dtype=x.get_dtype(), inner_fn=inner_fn, ranges=x.get_size())
 
 
-def _division_by_constant_as_product(x: Any, divisor: Any) -> Any:
-    """``x / c`` for a constant ``c`` as ``x * (1/c)``. On the GPU a float32 quotient is ``div.full.f32``: a
-    reciprocal on the special-function unit, which soft-capping's tanh and the probabilities' exp2 also queue on, and
-    2 ulp from the correctly rounded quotient eager computes; the product is within 1.5 ulp of it."""
-    constant = isinstance(divisor, (int, float)) and not isinstance(divisor, bool)
-    if constant and divisor != 0 and math.isfinite(divisor) and abs(1.0 / divisor) >= sys.float_info.min:
-        return lowerings[aten.mul.Tensor](x, 1.0 / divisor)
-    return lowerings[aten.div.Tensor](x, divisor)
-
-
 class _ScoreChainLowering(PointwiseSubgraphLowering):
     """Inductor's pointwise subgraph lowering, with the tanhs in ``fast_tanhs`` lowered as ``tanh.approx.f32``."""
 
@@ -961,10 +950,7 @@ def _lower_score_chain(
         graph_module,
         tanhs_of_16_bit_precision(graph_module, score_dtype) if fast_tanh else set(),
         root_graph_lowering=V.graph,
-        additional_lowerings={
-            aten.sum.dim_IntList: _unrolled_sum,
-            **({aten.div.Tensor: _division_by_constant_as_product} if overlay_config.constant_divisions_as_products else {}),
-        },
+        additional_lowerings={aten.sum.dim_IntList: _unrolled_sum},
     )
     with V.set_graph_handler(lowering):
         lowering.run(score, *captured)
