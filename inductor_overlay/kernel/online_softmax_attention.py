@@ -859,6 +859,7 @@ def approximates_tanh(device: torch.device) -> bool:
     return overlay_config.fast_tanh and device.type == "cuda" and torch.version.hip is None
 
 
+_16_BIT_FLOATS = (torch.float16, torch.bfloat16)
 # Ops that change a value's relative error by at most one float32 rounding: a tanh reached from a 16-bit score
 # through them sees, in eager, an argument that carries the score's 16-bit rounding.
 _RELATIVE_ERROR_PRESERVING = {
@@ -879,7 +880,7 @@ def _scaled_from_16_bit_score(node: torch.fx.Node, score_dtype: torch.dtype) -> 
         elif not all(isinstance(c, (int, float)) and math.isfinite(c) and c != 0 for c in others):
             return False
         node = operand
-    return node.op == "placeholder" and node.target == "scores" and score_dtype in (torch.float16, torch.bfloat16)
+    return node.op == "placeholder" and node.target == "scores" and score_dtype in _16_BIT_FLOATS
 
 
 def tanhs_of_16_bit_precision(graph_module: torch.fx.GraphModule, score_dtype: torch.dtype) -> set[torch.fx.Node]:
@@ -895,10 +896,10 @@ def tanhs_of_16_bit_precision(graph_module: torch.fx.GraphModule, score_dtype: t
     chosen = set()
     for node in graph_module.graph.find_nodes(op="call_function", target=torch.ops.aten.tanh.default):
         argument = node.args[0]
-        value = argument.meta.get("val") if isinstance(argument, torch.fx.Node) else None
-        if value is not None and value.dtype in (torch.float16, torch.bfloat16):
-            chosen.add(node)
-        elif isinstance(argument, torch.fx.Node) and _scaled_from_16_bit_score(argument, score_dtype):
+        if not isinstance(argument, torch.fx.Node):
+            continue
+        value = argument.meta.get("val")
+        if (value is not None and value.dtype in _16_BIT_FLOATS) or _scaled_from_16_bit_score(argument, score_dtype):
             chosen.add(node)
     return chosen
 
