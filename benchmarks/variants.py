@@ -391,10 +391,53 @@ def t5_relative_bias(q, k, v, table):
     return torch.softmax(q @ k.transpose(-2, -1) + bias, dim=-1) @ v
 
 
+def _t5_score_mod(extras: dict) -> Callable:
+    table = extras["table"]
+    return lambda s, b, h, m, n: s + table[_t5_bucket(n - m), h]
+
+
 T5_BIAS = Variant(
     name="t5_bias",
     idioms={"bucket_gather": t5_relative_bias},
     extras=_t5_table,
+    flex_score_mod=_t5_score_mod,
+)
+
+
+def hf_t5_bucket(relative: torch.Tensor, bidirectional: bool = True) -> torch.Tensor:
+    """T5's bucketing written as Hugging Face's T5 code writes it (``full_like``, ``torch.min``)."""
+    buckets, max_distance = T5_BUCKETS, T5_MAX_DISTANCE
+    relative_buckets = 0
+    if bidirectional:
+        buckets //= 2
+        relative_buckets += (relative > 0).to(torch.long) * buckets
+        relative = torch.abs(relative)
+    else:
+        relative = -torch.min(relative, torch.zeros_like(relative))
+    max_exact = buckets // 2
+    is_small = relative < max_exact
+    if_large = max_exact + (
+        torch.log(relative.float() / max_exact) / math.log(max_distance / max_exact) * (buckets - max_exact)
+    ).to(torch.long)
+    if_large = torch.min(if_large, torch.full_like(if_large, buckets - 1))
+    return relative_buckets + torch.where(is_small, relative, if_large)
+
+
+def hf_t5_attention(q, k, v, table, bidirectional=True):
+    """T5's attention as Hugging Face writes it (the encoder's bidirectional buckets by default): the bias from an
+    ``nn.Embedding`` of buckets, no scale, the softmax in float32."""
+    context = torch.arange(q.shape[-2], device=q.device)[:, None]
+    memory = torch.arange(k.shape[-2], device=q.device)[None, :]
+    bias = F.embedding(hf_t5_bucket(memory - context, bidirectional), table).permute([2, 0, 1]).unsqueeze(0)
+    scores = q @ k.transpose(-2, -1) + bias
+    return torch.softmax(scores.float(), dim=-1).type_as(scores) @ v
+
+
+T5_HF = Variant(
+    name="t5_hf",
+    idioms={"embedding_fp32_softmax": hf_t5_attention},
+    extras=_t5_table,
+    flex_score_mod=_t5_score_mod,
 )
 
 
@@ -512,6 +555,6 @@ VARIANTS: dict[str, Variant] = {
     v.name: v
     for v in (
         VANILLA, CAUSAL, GPT2_CAUSAL, CAUSAL_MASK_TENSOR, ALIBI, ALIBI_ARANGE, SOFTCAP_VARIANT, SLIDING_WINDOW, PREFIX_LM, DOCUMENT,
-        KEY_PADDING, HF_DECODER_MASK, HEAD_BIAS, T5_BIAS, GEMMA2, GQA, GQA_CAUSAL, MQA, CROSS,
+        KEY_PADDING, HF_DECODER_MASK, HEAD_BIAS, T5_BIAS, T5_HF, GEMMA2, GQA, GQA_CAUSAL, MQA, CROSS,
     )
 }

@@ -66,6 +66,10 @@ chain_reduction_max_elements: int = 16
 # 32 channels (S 768) and 0.78× at 128 (S 256: 16×16 tiles, too few programs), hence 64.
 pair_reduction_max_channels: int = 64
 
+# A value the score chain computes from the distance n - m alone (T5's bucketed bias: a log, a gather from its
+# table) is computed once per distance, into a small table the kernel reads per logit (fx_passes/distance_tables.py).
+distance_tables: bool = os.environ.get("FLASHLIGHT_DISTANCE_TABLES", "1") != "0"
+
 # A chain that only scales the scores by constants and masks them to -inf leaves its scale to the kernel's exp2
 # factor: one fma per logit scales it and subtracts the row max (fx_passes/logit_scale.py).
 fold_logit_scale: bool = os.environ.get("FLASHLIGHT_FOLD_LOGIT_SCALE", "1") != "0"

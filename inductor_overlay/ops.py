@@ -142,6 +142,10 @@ def online_softmax_attention_with_pair_sum_eager(q, kt, v, captured, sink, chain
 TABLE_CELL = 32
 CELL_KEEPS, CELL_MIXED, CELL_SKIPPED = 0, 1, 2
 
+# FX node meta key: a table of a value computed once per position distance (fx_passes/distance_tables.py). The
+# attention pass passes it to the kernel as an input, as a bias tensor, rather than moving its computation in.
+DISTANCE_TABLE = "flashlight_distance_table"
+
 
 @dataclasses.dataclass(frozen=True)
 class MaskSummary:

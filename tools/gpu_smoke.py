@@ -43,9 +43,13 @@ for shape, dtype in CASES:
             fused = torch._dynamo.utils.counters["inductor"]["flashlight_attention_fused"]
             attention = [name for name, text in testing.triton_kernels(code).items() if "for start_n in range(" in text]
             # Besides the one attention kernel, only a mask tensor or an additive mask may add its table's
-            # reductions (up to four kernels for an M×N additive mask).
+            # reductions (up to four kernels for an M×N additive mask), and a value of the distance n - m its
+            # table's kernel (T5's bias).
             table_only = all("cell_states" in testing.triton_kernels(code)[name] for name in attention)
-            one = len(kernels) == 1 or (len(attention) == 1 and table_only and len(kernels) <= 5)
+            distance_tables = torch._dynamo.utils.counters["inductor"]["flashlight_distance_tables"]
+            one = len(kernels) == 1 or (
+                len(attention) == 1 and ((table_only and len(kernels) <= 5) or len(kernels) == 1 + distance_tables)
+            )
             ok = fused == 1 and one and err < (2e-2 if dtype != torch.float32 else 1e-4)
             failures += not ok
             # Diagnostics for an unfused result: was the overlay's entry point called, was the graph a cache hit?

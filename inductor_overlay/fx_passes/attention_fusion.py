@@ -74,7 +74,7 @@ from inductor_overlay.fx_passes.block_sparsity import is_op as _is
 from inductor_overlay.fx_passes.finite_speculation import guard_only_nodes, speculation_bound
 from inductor_overlay.fx_passes.logit_scale import fold_constant_scale
 from inductor_overlay.kernel.online_softmax_attention import MAX_HEAD_DIM
-from inductor_overlay.ops import MaskSummary, ScoreChain, register_mask_summary, register_score_chain
+from inductor_overlay.ops import DISTANCE_TABLE, MaskSummary, ScoreChain, register_mask_summary, register_score_chain
 
 # TORCH_LOGS=flashlight shows every fused attention and every declined one with its reason.
 log = logging.getLogger("flashlight.attention_fusion")
@@ -255,7 +255,7 @@ def _collect_chain(
                 return Decline(f"`{node.target}` between the matmul and the softmax is not elementwise on the scores")
             if tuple(_val(node).shape) != logits_shape:
                 return Decline(f"`{node.target}` on the scores changes their shape")
-        elif not (_is_inlinable(node) or _is_small_reduction(node)):
+        elif node.meta.get(DISTANCE_TABLE) or not (_is_inlinable(node) or _is_small_reduction(node)):
             captured[node] = None
             continue
         chain.add(node)

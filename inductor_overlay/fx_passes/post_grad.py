@@ -19,6 +19,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from inductor_overlay import __version__, config
 from inductor_overlay.fx_passes.attention_fusion import fuse_attention
+from inductor_overlay.fx_passes.distance_tables import tabulate_distance_functions
 from inductor_overlay.fx_passes.head_combination import distribute_matmul_over_head_combinations
 from inductor_overlay.fx_passes.pair_matmul import rewrite_pair_matmuls
 from inductor_overlay.kernel import mask_cell_states, online_softmax_attention  # noqa: F401  (register the ops' lowerings)
@@ -27,7 +28,12 @@ from inductor_overlay.state import overlay_active
 GraphPass = Callable[[torch.fx.Graph], None]
 
 # Passes run in this order on every post-grad graph while the overlay is active.
-POST_GRAD_PASSES: list[GraphPass] = [distribute_matmul_over_head_combinations, rewrite_pair_matmuls, fuse_attention]
+POST_GRAD_PASSES: list[GraphPass] = [
+    tabulate_distance_functions,
+    distribute_matmul_over_head_combinations,
+    rewrite_pair_matmuls,
+    fuse_attention,
+]
 
 
 @functools.lru_cache(maxsize=1)
