@@ -107,7 +107,8 @@ def flex_impl(variant: Variant, shape: Shape, extras: dict, formula: bool = Fals
     flex = torch.compile(flex_attention, dynamic=False)
 
     def run(q, k, v, **_):
-        return flex(q, k, v, score_mod=score_mod, block_mask=block_mask, enable_gqa=k.shape[1] != q.shape[1])
+        return flex(q, k, v, score_mod=score_mod, block_mask=block_mask, scale=variant.flex_scale,
+                    enable_gqa=k.shape[1] != q.shape[1])
 
     return run, mask_seconds
 

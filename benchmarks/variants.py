@@ -38,6 +38,7 @@ class Variant:
     extras: Callable[[Shape, torch.device, torch.dtype], dict[str, Any]] = lambda shape, device, dtype: {}
     flex_score_mod: Optional[Callable[[dict], Callable]] = None  # extras -> score_mod
     flex_mask_mod: Optional[Callable[[dict], Callable]] = None  # extras -> mask_mod
+    flex_scale: Optional[float] = None  # Flex's scale argument; None: its default 1/sqrt(D), as the programs scale
     # A mask passed in as a tensor: the formula it was built from, which the program does not carry. The
     # `flex_formula` implementation gives Flex that formula instead of the tensor: a stricter baseline.
     flex_formula_mask_mod: Optional[Callable[[dict], Callable]] = None
@@ -401,6 +402,7 @@ T5_BIAS = Variant(
     idioms={"bucket_gather": t5_relative_bias},
     extras=_t5_table,
     flex_score_mod=_t5_score_mod,
+    flex_scale=1.0,  # T5 does not scale its scores
 )
 
 
@@ -438,6 +440,7 @@ T5_HF = Variant(
     idioms={"embedding_fp32_softmax": hf_t5_attention},
     extras=_t5_table,
     flex_score_mod=_t5_score_mod,
+    flex_scale=1.0,  # T5 does not scale its scores
 )
 
 
