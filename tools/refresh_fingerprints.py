@@ -24,7 +24,7 @@ def main() -> None:
         found = fingerprint(patch.current())
         status = "ok" if found == patch.fingerprint else "CHANGED"
         print(f"{status:8} {patch.target} {found}")
-        text = text.replace(patch.fingerprint, found)
+        text = text.replace(f'fingerprint="{patch.fingerprint}"', f'fingerprint="{found}"')
     if args.write:
         manifest_path.write_text(text)
 

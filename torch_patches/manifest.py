@@ -18,6 +18,12 @@ def _wrap_sfdp_params_check(original):
     return wrap_sfdp_params_check(original)
 
 
+def _wrap_should_pad(original):
+    from inductor_overlay.fx_passes.pad_mm import wrap_should_pad
+
+    return wrap_should_pad(original)
+
+
 def _sfdp_check_cells():
     from inductor_overlay.fx_passes.fuse_attention import registered_pattern_check_cells
 
@@ -39,5 +45,12 @@ MANIFEST: tuple[Patch, ...] = (
         fingerprint="b69be414a84b5e655bb23c38ef3dadb0890b53fcadabfc6787bbd9902e357f2a",
         why="SDPA pattern policy: lets config.sdpa_pattern_policy='flashlight' decline upstream's rewrite to SDPA",
         captured_by=_sfdp_check_cells,
+    ),
+    Patch(
+        module="torch._inductor.fx_passes.pad_mm",
+        qualname="should_pad",
+        make_replacement=_wrap_should_pad,
+        fingerprint="3d09710f97f93f46a97bd146eb394aec27c0fb2dbf0a0e873b4547770155fe1b",
+        why="matmul padding: declined for attention's matmuls, which a padded form would keep from fusing",
     ),
 )

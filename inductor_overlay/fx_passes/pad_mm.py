@@ -1,0 +1,63 @@
+"""Keep upstream's matmul padding away from the attention the overlay fuses.
+
+Upstream's joint-graph pass (``torch/_inductor/fx_passes/pad_mm.py``) pads a matmul whose sizes are not multiples
+of the alignment (S = 300 in bf16) when a benchmark, run at compile time, finds the padded matmul faster. A padded
+``q @ kᵀ`` or ``p @ v`` reaches our post-grad pass sliced and padded, in a form the attention pass does not follow,
+so the fusion silently gave way to upstream's kernels, and whether it did depended on a timing taken at compile
+time. The fused kernel needs no aligned sizes (it masks ragged tiles), so while the overlay is active a matmul that
+is part of attention is not padded: its product reaches a row max (the scores), or its left operand is a softmax
+(the probabilities).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable
+
+import torch
+
+from inductor_overlay import config
+from inductor_overlay.fx_passes.attention_fusion import _MATMULS, _VIEWS, _looks_like_softmax_input
+from inductor_overlay.fx_passes.block_sparsity import is_op
+from inductor_overlay.state import overlay_active
+
+aten = torch.ops.aten
+prims = torch.ops.prims
+
+_PASSED_THROUGH = (*_VIEWS, prims.convert_element_type.default)
+# How far past the scores matmul the search for the softmax's row max looks (views, casts, the user's chain).
+_SCORE_CHAIN_SEARCH_NODES = 64
+
+
+def _reaches_row_max(product: torch.fx.Node) -> bool:
+    """Whether the product reaches an ``amax`` through views and pointwise ops (the scores of a softmax)."""
+    seen, frontier = {product}, [product]
+    while frontier and len(seen) < _SCORE_CHAIN_SEARCH_NODES:
+        node = frontier.pop()
+        for user in node.users:
+            if is_op(user, aten.amax.default):
+                return True
+            if user in seen or not isinstance(user.target, torch._ops.OpOverload):
+                continue
+            if torch.Tag.pointwise in user.target.tags or is_op(user, _PASSED_THROUGH):
+                seen.add(user)
+                frontier.append(user)
+    return False
+
+
+def part_of_attention(match: Any) -> bool:
+    """Whether the matched matmul computes attention's scores or applies its probabilities to V."""
+    matmuls = [node for node in match.nodes if is_op(node, _MATMULS)]
+    return any(_looks_like_softmax_input(mm) or _reaches_row_max(mm) for mm in matmuls)
+
+
+def wrap_should_pad(upstream_should_pad: Callable[..., bool]) -> Callable[..., bool]:
+    @functools.wraps(upstream_should_pad)
+    def should_pad(match: Any, mat1: Any, mat2: Any, op: Any, input: Any = None) -> bool:
+        import torch_patches
+
+        if config.attention_fusion and overlay_active() and torch_patches.is_applied() and part_of_attention(match):
+            return False
+        return upstream_should_pad(match, mat1, mat2, op, input)
+
+    return should_pad
