@@ -401,6 +401,9 @@ def test_tile_configs_are_autotuned_only_under_max_autotune_by_default():
     assert kernel.kernel_configs(128, 128, cuda, element_bytes=2, columns=1024)[0] == dict(BLOCK_M=128, BLOCK_N=32, num_warps=4, num_stages=3)
     assert kernel.kernel_configs(128, 128, cuda, element_bytes=2, columns=256)[0] == dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=3)
     assert kernel.kernel_configs(128, 128, cuda)[0] == dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3)
+    # A gather per logit (T5's distance table): 128×32 at head dim 128; head dim 64 keeps 64×64.
+    assert kernel.kernel_configs(128, 128, cuda, gathers=True)[0] == dict(BLOCK_M=128, BLOCK_N=32, num_warps=4, num_stages=3)
+    assert kernel.kernel_configs(64, 64, cuda, gathers=True) == kernel.kernel_configs(64, 64, cuda)
     wide = dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3)
     assert kernel.kernel_configs(128, 128, cuda, columns=2048, visible_loop=True)[0] == wide
     assert kernel.kernel_configs(128, 128, cuda, columns=1024, visible_loop=True)[0]["BLOCK_N"] == 64

@@ -99,6 +99,17 @@ def test_mask_from_the_same_distance_stays_a_mask_and_skips_tiles():
     FileCheck().check("float(\"-inf\")").check("tl.load(in_ptr3 + ").check("tl.where(").run(chain)
 
 
+def test_the_tile_choice_knows_the_chain_gathers(monkeypatch):
+    from inductor_overlay.kernel import online_softmax_attention as kernel
+
+    told, choose = [], kernel.kernel_configs
+    monkeypatch.setattr(kernel, "kernel_configs", lambda *args, **kwargs: told.append(kwargs["gathers"]) or choose(*args, **kwargs))
+    for name, program in (("t5_bias", variants.t5_relative_bias), ("alibi", variants.alibi_slopes_tensor)):
+        q, k, v, extras = variants.make_inputs(variants.VARIANTS[name], variants.Shape(B=1, H=2, M=40, N=40, D=16))
+        compile_on_cpu(program, q, k, v, **extras)
+    assert told == [True, False]
+
+
 def test_alibi_product_stays_per_logit():
     """``slope · d`` is a conversion and a multiply per logit: cheaper than a table read (measured on the H100)."""
     shape = variants.Shape(B=1, H=2, M=40, N=40, D=16)

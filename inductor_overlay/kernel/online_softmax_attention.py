@@ -696,12 +696,14 @@ def _fitting_stages(config: tuple[int, int, int, int], d: int, dv: int, element_
 def kernel_configs(
     d: int, dv: int, device: torch.device, pair_channels: int = 0, element_bytes: int = 0,
     columns: int = 0, visible_loop: bool = False, mask_table: bool = False, shared_v_heads: int = 1,
+    gathers: bool = False,
 ) -> list[dict[str, int]]:
     """Tile sizes to autotune over (BLOCK_M, BLOCK_N, warps, stages), pruned by the head dims (QK, V), by the
     channels of a pair reduction, and by the shared memory left beside the tiles of score-sized tensors the chain
     reads (``element_bytes`` per score: a mask or a bias, whose loads are pipelined too) and by the row length
     (``columns``, N), by whether most tiles run in a loop without mask math (``visible_loop``) and whether a mask
-    table decides which (``mask_table``), and by the heads sharing one pass (``shared_v_heads``). The first is
+    table decides which (``mask_table``), by the heads sharing one pass (``shared_v_heads``), and by whether the
+    chain reads a tensor at an index it computes per logit (``gathers``: T5's distance table). The first is
     the one compiled alone outside max-autotune (``config.tile_autotuning``): the config that won most often for
     its case on the H100."""
     if device.type != "cuda" or _interpreting():
@@ -739,6 +741,10 @@ def kernel_configs(
         if element_bytes > 0:
             short = (64, 32, 4, 3) if columns <= 256 else (128, 32, 4, 3)
             shapes = [(128, 64, 8, 3) if columns > 1024 else short, (64, 64, 4, 3), (128, 128, 8, 3)]
+        elif gathers:
+            # A gather per logit (T5's bias from its distance table): 128×32 (4 warps), 1.40× and 1.47× less time
+            # than 64×64 at 8×16×2048×128 and 16×16×1024×128 (h100_2026-11-25_distance_tables/sweeps/).
+            shapes = [(128, 32, 4, 3), (128, 64, 8, 3), (64, 64, 4, 3)]
         else:
             shapes = [(64, 64, 4, 3), (128, 128, 8, 3), (128, 32, 4, 3)]
         # Chains whose tiles mostly run the visible loop (causal-like masks, a mask tensor outside its partial
@@ -1082,6 +1088,7 @@ def _lower_attention(q, kt, v, captured, sink, chain_id, group_coefficients=None
     configs = kernel_configs(
         d, dv, device, channels, element_bytes=element_bytes, columns=columns, visible_loop=visible_loop,
         mask_table=chain.mask_table_module is not None, shared_v_heads=groups if shared_v else 1,
+        gathers=any(node.target is torch.ops.aten.index.Tensor for node in chain.graph_module.graph.nodes),
     )
     for config in _autotuned(configs):
         error = online_softmax_attention_template(*template_key).maybe_append_choice(
