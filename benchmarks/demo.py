@@ -118,7 +118,8 @@ def main() -> None:
     print("\nPrograms FlexAttention cannot express (issue 6):")
     run_programs(gpu)
     print(f"done in {time.perf_counter() - start:.0f} s. 'fused' = one attention kernel, no score matrix in memory (a mask "
-          "passed in as a tensor adds the kernels that reduce it to its tile table).")
+          "passed in as a tensor adds the kernels that reduce it to its tile table; a value of the distance n - m, T5's "
+          "bias, the kernel that computes it once per distance).")
 
 
 if __name__ == "__main__":
