@@ -110,6 +110,27 @@ def test_the_tile_choice_knows_the_chain_gathers(monkeypatch):
     assert told == [True, False]
 
 
+def distance_masked_by_a_full_tensor(q, k, v):
+    """A log-distance bias masked beyond a distance of 8 with ``where(far, full(-inf), bias)``: the mask stays in the
+    chain, where block skipping reads it."""
+    relative = torch.arange(k.shape[-2], device=q.device)[None, :] - torch.arange(q.shape[-2], device=q.device)[:, None]
+    distance = relative.abs().float()
+    bias = torch.where(distance > 8, torch.full_like(distance, float("-inf")), -torch.log1p(distance))
+    return torch.softmax(q @ k.transpose(-2, -1) + bias, dim=-1) @ v
+
+
+def test_an_infinite_full_tensor_is_not_moved_into_the_table():
+    shape = variants.Shape(B=1, H=2, M=96, N=96, D=16)
+    q, k, v, _ = variants.make_inputs(variants.VARIANTS["t5_bias"], shape)
+    out, code = compile_on_cpu(distance_masked_by_a_full_tensor, q, k, v)
+    testing.assert_close_to_reference(out, reference(distance_masked_by_a_full_tensor, q, k, v))
+    assert counters["inductor"]["flashlight_distance_tables"] == 1
+    (attention,), _ = kernels_of(code)
+    chain = attention.split("scores = tl.dot(")[1].split("logits = ")[0]
+    FileCheck().check("float(\"-inf\")").check("tl.where(").run(chain)
+    assert "first_n, end_n = 0, N" not in attention  # the window skips tiles
+
+
 def test_alibi_product_stays_per_logit():
     """``slope · d`` is a conversion and a multiply per logit: cheaper than a table read (measured on the H100)."""
     shape = variants.Shape(B=1, H=2, M=40, N=40, D=16)

@@ -9,8 +9,7 @@ same values give the same results, so the rewrite is exact, and the attention pa
 reads a bias tensor (``DISTANCE_TABLE`` marks it as an input, not as part of the chain).
 
 What moves: the nodes reached from ``d`` through pointwise ops and ``table[index]`` gathers (``embedding`` too)
-whose other inputs are
-constant along both position dims. A result moves only when it has cost more than a few integer operations to get
+whose other inputs are constant along both position dims. A result moves only when it has cost more than a few integer operations to get
 (a gather, a log, a division: ``_is_cheap``); ALiBi's ``slope · d`` stays per logit, where it was measured faster
 (``benchmarks/results/h100_2026-11-24_consolidated_grid/NOTES.md``). Boolean results and anything behind a
 non-finite constant stay too, so that masks stay visible to block skipping.
@@ -113,6 +112,11 @@ def _finite_scalars(node: torch.fx.Node) -> bool:
     return all(math.isfinite(a) for a in scalars)
 
 
+def _finite_full(node: torch.fx.Node) -> bool:
+    """A ``full`` tensor of a finite value (HF's ``full_like``): constant everywhere; an infinite one is a mask's."""
+    return is_op(node, aten.full.default) and _finite_scalars(node)
+
+
 def _pair_of(node: torch.fx.Node, pairs: dict) -> Optional[int]:
     """The position dims of ``node``'s value if it is computed from the distance alone, else None."""
     if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload) or "val" not in node.meta:
@@ -134,8 +138,7 @@ def _pair_of(node: torch.fx.Node, pairs: dict) -> Optional[int]:
     (pair,) = inside
     rank = len(_shape(node))
     outside = [arg for arg in node.all_input_nodes if arg not in pairs]
-    if any("val" not in arg.meta or not (_constant_along(arg, rank, pair) or is_op(arg, aten.full.default))
-           for arg in outside):
+    if any("val" not in arg.meta or not (_constant_along(arg, rank, pair) or _finite_full(arg)) for arg in outside):
         return None
     return pair
 
