@@ -435,13 +435,8 @@ def hf_t5_attention(q, k, v, table, bidirectional=True):
     return torch.softmax(scores.float(), dim=-1).type_as(scores) @ v
 
 
-T5_HF = Variant(
-    name="t5_hf",
-    idioms={"embedding_fp32_softmax": hf_t5_attention},
-    extras=_t5_table,
-    flex_score_mod=_t5_score_mod,
-    flex_scale=1.0,  # T5 does not scale its scores
-)
+# The same attention, table and Flex form as T5_BIAS; only the program differs.
+T5_HF = dataclasses.replace(T5_BIAS, name="t5_hf", idioms={"embedding_fp32_softmax": hf_t5_attention})
 
 
 # ---------------------------------------------------------------- Gemma-2: causal + sliding window + soft-cap

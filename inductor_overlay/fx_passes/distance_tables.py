@@ -9,10 +9,10 @@ same values give the same results, so the rewrite is exact, and the attention pa
 reads a bias tensor (``DISTANCE_TABLE`` marks it as an input, not as part of the chain).
 
 What moves: the nodes reached from ``d`` through pointwise ops and ``table[index]`` gathers (``embedding`` too)
-whose other inputs are constant along both position dims. A result moves only when it has cost more than a few integer operations to get
-(a gather, a log, a division: ``_is_cheap``); ALiBi's ``slope · d`` stays per logit, where it was measured faster
-(``benchmarks/results/h100_2026-11-24_consolidated_grid/NOTES.md``). Boolean results and anything behind a
-non-finite constant stay too, so that masks stay visible to block skipping.
+whose other inputs are constant along both position dims. A result moves only when it has cost more than a few
+integer operations to get (a gather, a log, a division: ``_is_cheap``); ALiBi's ``slope · d`` stays per logit, where
+it was measured faster (``benchmarks/results/h100_2026-11-24_consolidated_grid/NOTES.md``). Boolean results and
+anything behind a non-finite constant stay too, so that masks stay visible to block skipping.
 """
 
 from __future__ import annotations
@@ -225,7 +225,7 @@ class _Tabulation:
         others = [d for d in range(rank - 1) if d != distance_dim]
         anchor = node.next
         with graph.inserting_before(anchor):
-            if others and distance_dim != rank - 2:
+            if distance_dim != rank - 2:  # the distance dim last: consecutive columns read consecutive elements
                 table = call_op(graph, aten.permute.default, (table, [*others, distance_dim]))
             table = call_op(graph, aten.clone.default, (table,), dict(memory_format=torch.contiguous_format))
             table.meta[DISTANCE_TABLE] = True
