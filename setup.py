@@ -13,7 +13,8 @@ setup(
         # Triton 3.6's interpreter (the CPU test path) needs NumPy 1.x for looped reductions.
         "numpy<2",
     ],
-    extras_require={"test": ["pytest>=7", "expecttest", "filelock", "matplotlib"]},
+    # transformers: test/test_hf_models.py compiles Hugging Face's own attention code (pinned: its idioms change).
+    extras_require={"test": ["pytest>=7", "expecttest", "filelock", "matplotlib", "transformers==5.24.0"]},
     entry_points={
         # torch loads this group at the end of `import torch`; the hook only arms a lazy import hook.
         "torch.backends": ["flashlight = flashlight._autoload:autoload"],

@@ -246,6 +246,9 @@ def _collect_chain(
         if node is qk or _strip_order_preserving(node)[0] is qk:
             if tuple(_val(node).shape) != logits_shape:
                 return Decline("the scores are re-viewed (not [..., M, N]) before the softmax")
+            if tuple(_val(node).shape[-2:]) != tuple(_val(qk).shape[-2:]):
+                # (A linear layer's mm over B·S rows, viewed as [B, S, N]: its rows are not the kernel's rows.)
+                return Decline("a view of the scores splits or merges their rows")
             if score_root is not None and score_root is not node:
                 return Decline("the scores enter the softmax through two different views")
             score_root = node

@@ -29,7 +29,7 @@ _PASSED_THROUGH = (*_VIEWS, prims.convert_element_type.default)
 _SCORE_CHAIN_SEARCH_NODES = 64
 
 
-def _reaches_row_max(product: torch.fx.Node) -> bool:
+def reaches_row_max(product: torch.fx.Node) -> bool:
     """Whether the product reaches an ``amax`` through views and pointwise ops (the scores of a softmax)."""
     seen, frontier = {product}, [product]
     while frontier and len(seen) < _SCORE_CHAIN_SEARCH_NODES:
@@ -48,7 +48,7 @@ def _reaches_row_max(product: torch.fx.Node) -> bool:
 def part_of_attention(match: Any) -> bool:
     """Whether the matched matmul computes attention's scores or applies its probabilities to V."""
     matmuls = [node for node in match.nodes if is_op(node, _MATMULS)]
-    return any(_looks_like_softmax_input(mm) or _reaches_row_max(mm) for mm in matmuls)
+    return any(_looks_like_softmax_input(mm) or reaches_row_max(mm) for mm in matmuls)
 
 
 def wrap_should_pad(upstream_should_pad: Callable[..., bool]) -> Callable[..., bool]:
