@@ -1005,12 +1005,22 @@ def _shares_v_tile(chain: Any, groups: int, operands: Sequence[Any], dv: Any, pl
     return groups * dv_tile <= overlay_config.shared_v_max_accumulator_columns
 
 
+def _with_fixed_layout(tensor: Any) -> Any:
+    """A captured tensor realised with the layout the chain indexes it by. A view Inductor keeps over a buffer (BLOOM's
+    positions, ``cumsum`` of a ``full`` of ones expanded per row, on the GPU) becomes that buffer read through its
+    strides, or a copy."""
+    tensor.realize()
+    try:
+        tensor.freeze_layout()
+        return tensor
+    except NotImplementedError:
+        return ir.TensorBox(ir.ExternKernel.realize_input(tensor))
+
+
 def _lower_attention(q, kt, v, captured, sink, chain_id, group_coefficients=None, pair_values=None, output_batch=None, sizes=()):
     chain = SCORE_CHAINS[chain_id]
     device = q.get_device()
-    for tensor in captured:
-        tensor.realize()
-        tensor.freeze_layout()
+    captured = [_with_fixed_layout(tensor) for tensor in captured]
     m, d = q.get_size()[-2:]
     n, dv = kt.get_size()[-1], v.get_size()[-1]
     batch_shape = [size.node.expr if isinstance(size, torch.SymInt) else size for size in chain.batch_shape]
