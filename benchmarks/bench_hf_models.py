@@ -50,6 +50,7 @@ def bench_family(family: hf_models.Family, padded: bool, stamp: dict, log: Calla
     model = hf_models.build(family, hidden, heads, layers).cuda()
     ids, mask = hf_models.token_inputs(batch, tokens, padded, device="cuda")
     rows = []
+    counters = torch._dynamo.utils.counters
     with torch.no_grad():
         reference = hf_models.forward(model.float(), ids, mask)
         model.to(torch.bfloat16)
@@ -62,7 +63,6 @@ def bench_family(family: hf_models.Family, padded: bool, stamp: dict, log: Calla
         except ValueError as error:  # BLOOM: HF has no SDPA path for it
             log(f"  {family.name} hf_sdpa_compile: {str(error).splitlines()[0][:120]}")
         for impl in impls:
-            counters = torch._dynamo.utils.counters
             counters.clear()
             start = time.perf_counter()
             target = sdpa_model if impl == "hf_sdpa_compile" else model

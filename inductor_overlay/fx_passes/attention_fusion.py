@@ -1083,3 +1083,23 @@ def _looks_like_softmax_input(pv: torch.fx.Node) -> bool:
     """Only report declines for matmuls fed by a softmax-like op, not for every matmul in a model."""
     p, _ = _strip_order_preserving(pv.args[0], also=(prims.convert_element_type.default,))
     return _is(p, aten.exp.default) or (_is(p, aten.div.Tensor) and _is(p.args[0], aten.exp.default))
+
+
+# How far past the scores matmul the search for the softmax's row max looks (views, casts, the user's chain).
+_SCORE_CHAIN_SEARCH_NODES = 64
+
+
+def reaches_row_max(product: torch.fx.Node) -> bool:
+    """Whether the product reaches an ``amax`` through views and pointwise ops (the scores of a softmax)."""
+    seen, frontier = {product}, [product]
+    while frontier and len(seen) < _SCORE_CHAIN_SEARCH_NODES:
+        node = frontier.pop()
+        for user in node.users:
+            if _is(user, aten.amax.default):
+                return True
+            if user in seen or not isinstance(user.target, torch._ops.OpOverload):
+                continue
+            if torch.Tag.pointwise in user.target.tags or _is(user, (*_VIEWS, prims.convert_element_type.default)):
+                seen.add(user)
+                frontier.append(user)
+    return False

@@ -14,35 +14,11 @@ from __future__ import annotations
 import functools
 from typing import Any, Callable
 
-import torch
-
 from inductor_overlay import config
-from inductor_overlay.fx_passes.attention_fusion import _MATMULS, _VIEWS, _looks_like_softmax_input
+from inductor_overlay.fx_passes.attention_fusion import _MATMULS, _looks_like_softmax_input, reaches_row_max
 from inductor_overlay.fx_passes.block_sparsity import is_op
 from inductor_overlay.state import overlay_active
 
-aten = torch.ops.aten
-prims = torch.ops.prims
-
-_PASSED_THROUGH = (*_VIEWS, prims.convert_element_type.default)
-# How far past the scores matmul the search for the softmax's row max looks (views, casts, the user's chain).
-_SCORE_CHAIN_SEARCH_NODES = 64
-
-
-def reaches_row_max(product: torch.fx.Node) -> bool:
-    """Whether the product reaches an ``amax`` through views and pointwise ops (the scores of a softmax)."""
-    seen, frontier = {product}, [product]
-    while frontier and len(seen) < _SCORE_CHAIN_SEARCH_NODES:
-        node = frontier.pop()
-        for user in node.users:
-            if is_op(user, aten.amax.default):
-                return True
-            if user in seen or not isinstance(user.target, torch._ops.OpOverload):
-                continue
-            if torch.Tag.pointwise in user.target.tags or is_op(user, _PASSED_THROUGH):
-                seen.add(user)
-                frontier.append(user)
-    return False
 
 
 def part_of_attention(match: Any) -> bool:
