@@ -18,6 +18,7 @@ class Family:
     overrides: dict  # config fields beyond the common sizes (grouped heads, windows, ...)
     attentions_per_layer: int = 1  # T5: encoder self, decoder self, decoder cross
     query_heads_per_kv_head: int = 1  # grouped K/V (GQA): num_key_value_heads = heads / this
+    position_matmuls: bool = False  # relative-position scores are matmuls of their own (DeBERTa's c2p and p2c)
     what: str = ""
 
 
@@ -32,6 +33,14 @@ FAMILIES = [
     Family("bloom", {}, what="ALiBi added by baddbmm"),
     Family("bert", {}, what="bidirectional, padding mask"),
     Family("t5", {}, attentions_per_layer=3, what="relative position buckets, encoder-decoder"),
+    Family("xglm", {}, what="mask added to a [B, H, M, N] view, softmax on [B·H, M, N]"),
+    Family(
+        "deberta-v2",
+        dict(relative_attention=True, pos_att_type=["p2c", "c2p"], position_buckets=256, max_relative_positions=-1,
+             norm_rel_ebd="layer_norm", share_att_key=True),
+        position_matmuls=True,
+        what="DeBERTa-v3: disentangled relative-position bias (two more matmuls, gathered), padding mask",
+    ),
 ]
 BY_NAME = {family.name: family for family in FAMILIES}
 
@@ -40,11 +49,17 @@ def _sizes(hidden: int, heads: int, layers: int, head_dim: int) -> dict[str, Any
     """The common sizes under each family's own field names (a config takes the ones it has)."""
     return dict(
         hidden_size=hidden, n_embd=hidden, d_model=hidden,
-        num_attention_heads=heads, n_head=heads, num_heads=heads,
+        num_attention_heads=heads, n_head=heads, num_heads=heads, attention_heads=heads,
         num_hidden_layers=layers, n_layer=layers, num_layers=layers, num_decoder_layers=layers,
-        intermediate_size=4 * hidden, n_inner=4 * hidden, d_ff=4 * hidden,
+        intermediate_size=4 * hidden, n_inner=4 * hidden, d_ff=4 * hidden, ffn_dim=4 * hidden,
         head_dim=head_dim, d_kv=head_dim, vocab_size=1024, max_position_embeddings=4096, n_positions=4096,
     )
+
+
+def _settable(config: Any, key: str) -> bool:
+    """A field the config has and takes (Falcon derives ``head_dim``, a property without a setter)."""
+    derived = getattr(type(config), key, None)
+    return hasattr(config, key) and not (isinstance(derived, property) and derived.fset is None)
 
 
 def build(
@@ -58,7 +73,7 @@ def build(
     sizes = _sizes(hidden, heads, layers, hidden // heads)
     if family.query_heads_per_kv_head > 1:
         sizes["num_key_value_heads"] = heads // family.query_heads_per_kv_head
-    settings = {key: value for key, value in sizes.items() if hasattr(base, key) and key not in fields}
+    settings = {key: value for key, value in sizes.items() if _settable(base, key) and key not in fields}
     config = transformers.AutoConfig.for_model(family.name, **settings, **fields)
     return transformers.AutoModel.from_config(config, attn_implementation=attn_implementation).eval()
 

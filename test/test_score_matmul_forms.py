@@ -95,3 +95,100 @@ def test_a_softmax_over_rows_split_by_a_view_declines_with_a_reason(caplog):
     assert "a view of the scores splits or merges their rows" in caplog.text
     assert counters["inductor"]["flashlight_fault_fallback"] == 0
     testing.assert_close_to_reference(out, reference(softmax_of_a_linear, x, keys, values))
+
+
+def xglm_attention(q, k, v, mask, softmax_dtype=None):
+    """Older Hugging Face code (XGLM, TrOCR, MVP, FSMT, ...): ``[B·H, ·, D]`` operands, the mask added to a
+    ``[B, H, M, N]`` view of the scores, clamped at ``finfo.min``, viewed back to ``[B·H, M, N]`` for the softmax."""
+    batch_heads, rows, columns = q.shape[0], q.shape[1], k.shape[1]
+    batch = mask.shape[0]
+    scores = torch.bmm(q * q.shape[-1] ** -0.5, k.transpose(1, 2))
+    scores = scores.view(batch, batch_heads // batch, rows, columns) + mask
+    scores = torch.max(scores, torch.full((), torch.finfo(scores.dtype).min, dtype=scores.dtype))
+    probabilities = F.softmax(scores.view(batch_heads, rows, columns), dim=-1, dtype=softmax_dtype).to(q.dtype)
+    return torch.bmm(probabilities, v)
+
+
+def _padding_mask(batch, rows, columns, dtype):
+    mask = torch.zeros(batch, 1, rows, columns, dtype=dtype)
+    mask[1, :, :, columns - columns // 3 :] = torch.finfo(dtype).min
+    return mask
+
+
+def test_a_softmax_over_scores_viewed_back_to_the_matmuls_batch_fuses(caplog):
+    q, k, v = fresh(8, 37, 16), fresh(8, 45, 16), fresh(8, 45, 16)
+    mask = _padding_mask(2, 37, 45, torch.float32)
+    with caplog.at_level(logging.INFO, logger="flashlight"):
+        out, code = compile_on_cpu(xglm_attention, q, k, v, mask)
+    assert "moved below the view" in caplog.text
+    assert_fused_attention(code, out)
+    testing.assert_close_to_reference(out, reference(xglm_attention, q, k, v, mask))
+
+
+def test_a_float32_softmax_over_bf16_scores_viewed_back_fuses():
+    q, k, v = (fresh(8, 33, 16, dtype=torch.bfloat16) for _ in range(3))
+    mask = _padding_mask(2, 33, 33, torch.bfloat16)
+    out, code = compile_on_cpu(xglm_attention, q, k, v, mask, torch.float32)
+    assert_fused_attention(code, out)
+    testing.assert_close_to_reference(out, reference(xglm_attention, q, k, v, mask, torch.float32))
+
+
+def test_moving_the_softmax_keeps_probabilities_used_elsewhere():
+    """The rewrite is exact, so it stands where the fusion then declines (the probabilities are also returned)."""
+
+    def with_probabilities(q, k, v, mask):
+        batch_heads, rows, columns = q.shape[0], q.shape[1], k.shape[1]
+        scores = torch.bmm(q, k.transpose(1, 2)).view(2, batch_heads // 2, rows, columns) + mask
+        probabilities = F.softmax(scores.view(batch_heads, rows, columns), dim=-1)
+        return torch.bmm(probabilities, v), probabilities
+
+    q, k, v = fresh(8, 21, 16), fresh(8, 30, 16), fresh(8, 30, 16)
+    mask = _padding_mask(2, 21, 30, torch.float32)
+    (out, probabilities), code = compile_on_cpu(with_probabilities, q, k, v, mask)
+    assert counters["inductor"]["flashlight_attention_fused"] == 0
+    expected_out, expected_probabilities = reference(with_probabilities, q, k, v, mask)
+    testing.assert_close_to_reference(out, expected_out)
+    testing.assert_close_to_reference(probabilities, expected_probabilities)
+
+
+def deberta_attention(q, k, v, bias, mask):
+    """DeBERTa-v2: ``[B·H, ·, D]`` operands, a relative-position bias added to the ``[B·H, M, N]`` scores, which
+    are then viewed as ``[B, H, M, N]`` for the ``[B, 1, M, N]`` mask and the softmax."""
+    heads = q.shape[0] // mask.shape[0]
+    scores = torch.bmm(q, k.transpose(-1, -2) / q.shape[-1] ** 0.5) + bias
+    scores = scores.view(-1, heads, scores.size(-2), scores.size(-1))
+    scores = scores.masked_fill(~mask, torch.finfo(q.dtype).min)
+    probabilities = F.softmax(scores, dim=-1)
+    return torch.bmm(probabilities.view(-1, probabilities.size(-2), probabilities.size(-1)), v)
+
+
+def test_a_batch_view_after_a_bias_moves_up_to_the_scores_matmul(caplog):
+    q, k, v, bias = fresh(8, 37, 16), fresh(8, 45, 16), fresh(8, 45, 16), fresh(8, 37, 45)
+    mask = torch.ones(2, 1, 37, 45, dtype=torch.bool)
+    mask[1, :, :, 30:] = False
+    with caplog.at_level(logging.INFO, logger="flashlight"):
+        out, code = compile_on_cpu(deberta_attention, q, k, v, bias, mask)
+    assert "moved up to the scores' matmul" in caplog.text
+    assert_fused_attention(code, out)
+    testing.assert_close_to_reference(out, reference(deberta_attention, q, k, v, bias, mask))
+
+
+def test_a_view_that_cannot_move_declines_and_keeps_the_result(caplog):
+    """A ``[H, M, N]`` bias added to ``[B, H, M, N]`` scores that are then merged to ``[B·H, M, N]`` and masked:
+    the merge cannot move up (the bias has only some of the batch dims) nor below the softmax (the mask is applied
+    after it). The attention pass declines and upstream computes the same result."""
+
+    def merged_after_a_head_bias(q, k, v, bias, mask):
+        scores = torch.bmm(q, k.transpose(-1, -2)).view(2, 4, 21, 30) + bias
+        scores = scores.view(8, 21, 30).masked_fill(~mask, float("-inf"))
+        return torch.bmm(F.softmax(scores, dim=-1), v)
+
+    q, k, v, bias = fresh(8, 21, 16), fresh(8, 30, 16), fresh(8, 30, 16), fresh(4, 21, 30)
+    mask = torch.rand(21, 30) > 0.2
+    mask[:, 0] = True
+    with caplog.at_level(logging.INFO, logger="flashlight"):
+        out, code = compile_on_cpu(merged_after_a_head_bias, q, k, v, bias, mask)
+    assert "is not elementwise on the scores" in caplog.text
+    assert counters["inductor"]["flashlight_attention_fused"] == 0
+    assert counters["inductor"]["flashlight_fault_fallback"] == 0
+    testing.assert_close_to_reference(out, reference(merged_after_a_head_bias, q, k, v, bias, mask))

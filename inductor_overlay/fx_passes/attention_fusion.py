@@ -181,7 +181,7 @@ def _positive_constant(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
 
 
-def _match_normalised_exp(p: torch.fx.Node) -> Union[Decline, tuple[torch.fx.Node, list[torch.fx.Node], float]]:
+def match_normalised_exp(p: torch.fx.Node) -> Union[Decline, tuple[torch.fx.Node, list[torch.fx.Node], float]]:
     """Rules 1–3: ``p = exp(c·(x - max_N x)) / sum_N exp(c·(x - max_N x))``; returns x, the softmax nodes and c.
 
     A positive constant c (upstream folds a softmax's scale this way) commutes with the max: c·max x = max c·x,
@@ -482,7 +482,7 @@ def find_attention(pv: torch.fx.Node, dead: frozenset = frozenset()) -> Union[De
     if dropped_column:
         p, downcast = _strip_order_preserving(p, also=(prims.convert_element_type.default,))
         passthrough += dropped_column + downcast
-    matched = _match_normalised_exp(p)
+    matched = match_normalised_exp(p)
     sink = None
     if isinstance(matched, Decline):
         if dropped_column or _looks_like_softmax_input(pv):
@@ -1101,5 +1101,18 @@ def reaches_row_max(product: torch.fx.Node) -> bool:
                 continue
             if torch.Tag.pointwise in user.target.tags or _is(user, (*_VIEWS, prims.convert_element_type.default)):
                 seen.add(user)
+                frontier.append(user)
+    return False
+
+
+def is_matmul_fed_by(p: torch.fx.Node) -> bool:
+    """Whether ``p`` is a matmul's left operand, possibly through order-preserving views and casts."""
+    frontier = [p]
+    while frontier:
+        node = frontier.pop()
+        for user in node.users:
+            if _is(user, _MATMULS) and user.args[0] is node:
+                return True
+            if _preserves_element_order(user) or _is(user, prims.convert_element_type.default):
                 frontier.append(user)
     return False

@@ -23,6 +23,7 @@ from inductor_overlay.fx_passes.distance_tables import tabulate_distance_functio
 from inductor_overlay.fx_passes.head_combination import distribute_matmul_over_head_combinations
 from inductor_overlay.fx_passes.pair_matmul import rewrite_pair_matmuls
 from inductor_overlay.fx_passes.scaled_matmuls import split_baddbmm_scores
+from inductor_overlay.fx_passes.score_views import move_batch_views_off_score_chains
 from inductor_overlay.kernel import mask_cell_states, online_softmax_attention  # noqa: F401  (register the ops' lowerings)
 from inductor_overlay.state import overlay_active
 
@@ -31,6 +32,7 @@ GraphPass = Callable[[torch.fx.Graph], None]
 # Passes run in this order on every post-grad graph while the overlay is active.
 POST_GRAD_PASSES: list[GraphPass] = [
     split_baddbmm_scores,
+    move_batch_views_off_score_chains,
     tabulate_distance_functions,
     distribute_matmul_over_head_combinations,
     rewrite_pair_matmuls,
