@@ -4,9 +4,11 @@ CPU harness; every case against a float64 eager reference on fresh random inputs
 """
 
 import logging
+import re
 
 import torch
 import torch.nn.functional as F
+from torch.testing import FileCheck
 
 from flashlight import testing
 from test.test_attention_fusion import assert_fused_attention, compile_on_cpu, fresh, reference
@@ -192,3 +194,34 @@ def test_a_view_that_cannot_move_declines_and_keeps_the_result(caplog):
     assert counters["inductor"]["flashlight_attention_fused"] == 0
     assert counters["inductor"]["flashlight_fault_fallback"] == 0
     testing.assert_close_to_reference(out, reference(merged_after_a_head_bias, q, k, v, bias, mask))
+
+
+def disentangled_attention(q, k, v, position_keys, position_queries, mask, span=8):
+    """DeBERTa's disentangled attention: content-to-content scores, plus content-to-position and
+    position-to-content scores gathered from ``[B·H, M, 2·span]`` matmuls at the clamped relative position."""
+    rows, columns = q.shape[1], k.shape[1]
+    relative = torch.arange(rows)[:, None] - torch.arange(columns)[None, :]
+    c2p = torch.bmm(q, position_keys.transpose(-1, -2))
+    c2p = torch.gather(c2p, -1, torch.clamp(relative + span, 0, 2 * span - 1).expand(q.shape[0], rows, columns))
+    p2c = torch.bmm(k, position_queries.transpose(-1, -2))
+    p2c_index = torch.clamp(-relative.T + span, 0, 2 * span - 1).expand(q.shape[0], columns, rows)
+    p2c = torch.gather(p2c, -1, p2c_index).transpose(-1, -2)
+    return deberta_attention(q, k, v, (c2p + p2c) / (3 * q.shape[-1]) ** 0.5, mask)
+
+
+def test_relative_position_scores_are_gathered_inside_the_kernel():
+    """The ``gather``s read the two small position-score tensors per logit: no M×N bias reaches memory."""
+    q, k, v = fresh(8, 37, 16), fresh(8, 45, 16), fresh(8, 45, 16)
+    position_keys, position_queries = fresh(8, 16, 16), fresh(8, 16, 16)
+    mask = torch.ones(2, 1, 37, 45, dtype=torch.bool)
+    mask[1, :, :, 30:] = False
+    args = (q, k, v, position_keys, position_queries, mask)
+    out, code = compile_on_cpu(disentangled_attention, *args)
+    kernels = [text for text in testing.triton_kernels(code).values() if "for start_n in range(" in text]
+    assert len(kernels) == 1 and counters["inductor"]["flashlight_attention_fused"] == 1
+    testing.check_kernels(code, extern_calls=2)  # the two position-score matmuls
+    assert max(testing.allocated_buffer_numels(code)) < 8 * 37 * 45
+    loop = kernels[0].split("scores = tl.dot(")[1].split("tl.dot(p")[0]
+    gathers = re.findall(r"tl\.load\(in_ptr\d+ \+ tmp\d+ \+ 16\*tmp\d+", loop)  # a table row, at a computed column
+    assert len(gathers) == 2, loop
+    testing.assert_close_to_reference(out, reference(disentangled_attention, *args))

@@ -98,7 +98,7 @@ _VIEWS = (
     aten.alias.default,
     aten.clone.default,
 )
-_INDEX_SOURCES = (prims.iota.default, aten.full.default, aten.scalar_tensor.default, aten.index.Tensor)
+_INDEX_SOURCES = (prims.iota.default, aten.full.default, aten.scalar_tensor.default, aten.index.Tensor, aten.gather.default)
 _FUSABLE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 

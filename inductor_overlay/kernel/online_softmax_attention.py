@@ -742,7 +742,7 @@ def kernel_configs(
             short = (64, 32, 4, 3) if columns <= 256 else (128, 32, 4, 3)
             shapes = [(128, 64, 8, 3) if columns > 1024 else short, (64, 64, 4, 3), (128, 128, 8, 3)]
         elif gathers:
-            # A gather per logit (T5's bias from its distance table): 128×32 (4 warps), 1.40× and 1.47× less time
+            # A gather per logit (T5's bias from its distance table, DeBERTa's relative positions): 128×32 (4 warps), 1.40× and 1.47× less time
             # than 64×64 at 8×16×2048×128 and 16×16×1024×128 (h100_2026-11-25_distance_tables/sweeps/).
             shapes = [(128, 32, 4, 3), (128, 64, 8, 3), (64, 64, 4, 3)]
         else:
@@ -802,6 +802,10 @@ def causal_cell_states(sizes: Sequence[int], strides: Sequence[int], device: Any
 def _causal_shaped_table(table: ir.Buffer) -> torch.Tensor:
     hints = V.graph.sizevars.size_hint
     return causal_cell_states([hints(s) for s in table.get_size()], [hints(s) for s in table.get_stride()], table.get_device())
+
+
+# Chain ops that read a tensor at an index computed per logit (T5's distance table, DeBERTa's relative positions).
+_GATHERS = (torch.ops.aten.index.Tensor, torch.ops.aten.gather.default)
 
 
 class _ConstantIndexAsConstant(V.WrapperHandler):  # type: ignore[name-defined]
@@ -924,6 +928,12 @@ def approximate_tanh(x: Any) -> Any:
     return ir.Pointwise.create(device=x.get_device(), dtype=x.get_dtype(), inner_fn=inner_fn, ranges=x.get_size())
 
 
+def _expand_per_tile(x: Any, sizes: Sequence[Any]) -> Any:
+    """``expand`` without upstream's reuse check, which realises an expensive input before broadcasting it: inside
+    the kernel the chain is computed per tile element anyway (DeBERTa's gather index, computed from positions)."""
+    return ir.TensorBox(ir.ExpandView.create(x.data, tuple(sizes)))
+
+
 class _ScoreChainLowering(PointwiseSubgraphLowering):
     """Inductor's pointwise subgraph lowering, with the tanhs in ``fast_tanhs`` lowered as ``tanh.approx.f32``."""
 
@@ -957,7 +967,7 @@ def _lower_score_chain(
         graph_module,
         tanhs_of_16_bit_precision(graph_module, score_dtype) if fast_tanh else set(),
         root_graph_lowering=V.graph,
-        additional_lowerings={aten.sum.dim_IntList: _unrolled_sum},
+        additional_lowerings={aten.sum.dim_IntList: _unrolled_sum, aten.expand.default: _expand_per_tile},
     )
     with V.set_graph_handler(lowering):
         lowering.run(score, *captured)
@@ -1098,7 +1108,7 @@ def _lower_attention(q, kt, v, captured, sink, chain_id, group_coefficients=None
     configs = kernel_configs(
         d, dv, device, channels, element_bytes=element_bytes, columns=columns, visible_loop=visible_loop,
         mask_table=chain.mask_table_module is not None, shared_v_heads=groups if shared_v else 1,
-        gathers=any(node.target is torch.ops.aten.index.Tensor for node in chain.graph_module.graph.nodes),
+        gathers=any(node.target in _GATHERS for node in chain.graph_module.graph.nodes),
     )
     for config in _autotuned(configs):
         error = online_softmax_attention_template(*template_key).maybe_append_choice(
