@@ -70,6 +70,12 @@ pair_reduction_max_channels: int = 64
 # table) is computed once per distance, into a small table the kernel reads per logit (fx_passes/distance_tables.py).
 distance_tables: bool = os.environ.get("FLASHLIGHT_DISTANCE_TABLES", "1") != "0"
 
+# A ``gather`` off the score path (DeBERTa's content-to-position scores, gathered from a [B·H, M, 2k] matmul at the
+# relative position) moves into the chain: read per logit, no M×N tensor in memory. Off by default: on the H100,
+# DeBERTa-v3's whole forward at B16 S512 ran 4.56 ms with it and 4.39 ms reading the gathered bias (another process;
+# default compile 4.98 and 5.01), h100_2026-11-25_hf_score_views/.
+gathers_in_score_chain: bool = os.environ.get("FLASHLIGHT_GATHERS_IN_SCORE_CHAIN", "0") == "1"
+
 # A chain that only scales the scores by constants and masks them to -inf leaves its scale to the kernel's exp2
 # factor: one fma per logit scales it and subtracts the row max (fx_passes/logit_scale.py).
 fold_logit_scale: bool = os.environ.get("FLASHLIGHT_FOLD_LOGIT_SCALE", "1") != "0"

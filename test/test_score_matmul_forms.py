@@ -1,4 +1,5 @@
-"""How the scores' matmul is written: ``baddbmm`` with a bias (BLOOM), and views that are not attention's rows.
+"""How the scores' matmul is written: ``baddbmm`` with a bias (BLOOM), views that are not attention's rows, views
+that regroup the scores' batch dims around a mask or a bias (XGLM, DeBERTa-v2), gathered relative-position scores.
 
 CPU harness; every case against a float64 eager reference on fresh random inputs.
 """
@@ -6,11 +7,12 @@ CPU harness; every case against a float64 eager reference on fresh random inputs
 import logging
 import re
 
+import pytest
 import torch
 import torch.nn.functional as F
-from torch.testing import FileCheck
 
 from flashlight import testing
+from inductor_overlay import config
 from test.test_attention_fusion import assert_fused_attention, compile_on_cpu, fresh, reference
 
 counters = torch._dynamo.utils.counters
@@ -209,19 +211,22 @@ def disentangled_attention(q, k, v, position_keys, position_queries, mask, span=
     return deberta_attention(q, k, v, (c2p + p2c) / (3 * q.shape[-1]) ** 0.5, mask)
 
 
-def test_relative_position_scores_are_gathered_inside_the_kernel():
-    """The ``gather``s read the two small position-score tensors per logit: no M×N bias reaches memory."""
+@pytest.mark.parametrize("in_kernel", [True, False], ids=["gathers_in_kernel", "bias_read"])
+def test_relative_position_scores_fuse(in_kernel):
+    """With ``gathers_in_score_chain`` the ``gather``s read the two small position-score tensors per logit and no
+    M×N bias reaches memory; without it (the default) the gathered bias is computed by its own kernel and read."""
     q, k, v = fresh(8, 37, 16), fresh(8, 45, 16), fresh(8, 45, 16)
     position_keys, position_queries = fresh(8, 16, 16), fresh(8, 16, 16)
     mask = torch.ones(2, 1, 37, 45, dtype=torch.bool)
     mask[1, :, :, 30:] = False
     args = (q, k, v, position_keys, position_queries, mask)
-    out, code = compile_on_cpu(disentangled_attention, *args)
+    with config.patch(gathers_in_score_chain=in_kernel):
+        out, code = compile_on_cpu(disentangled_attention, *args)
     kernels = [text for text in testing.triton_kernels(code).values() if "for start_n in range(" in text]
     assert len(kernels) == 1 and counters["inductor"]["flashlight_attention_fused"] == 1
     testing.check_kernels(code, extern_calls=2)  # the two position-score matmuls
-    assert max(testing.allocated_buffer_numels(code)) < 8 * 37 * 45
+    assert (max(testing.allocated_buffer_numels(code)) < 8 * 37 * 45) == in_kernel
     loop = kernels[0].split("scores = tl.dot(")[1].split("tl.dot(p")[0]
     gathers = re.findall(r"tl\.load\(in_ptr\d+ \+ tmp\d+ \+ 16\*tmp\d+", loop)  # a table row, at a computed column
-    assert len(gathers) == 2, loop
+    assert len(gathers) == (2 if in_kernel else 0), loop
     testing.assert_close_to_reference(out, reference(disentangled_attention, *args))

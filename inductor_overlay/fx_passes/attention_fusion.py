@@ -98,7 +98,7 @@ _VIEWS = (
     aten.alias.default,
     aten.clone.default,
 )
-_INDEX_SOURCES = (prims.iota.default, aten.full.default, aten.scalar_tensor.default, aten.index.Tensor, aten.gather.default)
+_INDEX_SOURCES = (prims.iota.default, aten.full.default, aten.scalar_tensor.default, aten.index.Tensor)
 _FUSABLE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
@@ -213,6 +213,8 @@ def _is_inlinable(node: torch.fx.Node) -> bool:
     tags = node.target.tags
     if torch.Tag.nondeterministic_seeded in tags:
         return False
+    if node.target is aten.gather.default:
+        return config.gathers_in_score_chain
     return torch.Tag.pointwise in tags or node.target in (*_VIEWS, *_INDEX_SOURCES, prims.convert_element_type.default)
 
 

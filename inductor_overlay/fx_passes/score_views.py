@@ -67,8 +67,8 @@ def _sink_below_softmax(graph: torch.fx.Graph, p: torch.fx.Node) -> bool:
         return False
     logits, softmax, _ = matched
     view = logits.args[0] if is_op(logits, prims.convert_element_type.default) else logits
-    if not _batch_regrouping(view):
-        return False
+    if not _batch_regrouping(view) or not _elementwise(view.args[0]):
+        return False  # (a view straight off the matmul is the scores' batch view the attention pass expects)
     with graph.inserting_before(p):
         probabilities = _replay_on(graph, softmax, logits, view)
         regrouped = call_op(graph, aten.reshape.default, (probabilities, list(p.meta["val"].shape)))
@@ -80,13 +80,17 @@ def _sink_below_softmax(graph: torch.fx.Graph, p: torch.fx.Node) -> bool:
     return True
 
 
-def _pointwise(node: object) -> bool:
+def _elementwise(node: object) -> bool:
     return (
         isinstance(node, torch.fx.Node)
         and isinstance(node.target, torch._ops.OpOverload)
         and torch.Tag.pointwise in node.target.tags
-        and len(node.users) == 1
     )
+
+
+def _pointwise(node: object) -> bool:
+    """An elementwise op used once (moving a view above it computes it once still)."""
+    return _elementwise(node) and len(node.users) == 1
 
 
 def _regrouped_shape(operand: object, before: tuple, after: tuple) -> Optional[object]:
