@@ -23,6 +23,8 @@ import torch
 
 from inductor_overlay import config
 from inductor_overlay.fx_passes.attention_fusion import (
+    _MATMULS,
+    _RESHAPES,
     Decline,
     call_op,
     is_matmul_fed_by,
@@ -35,9 +37,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 log = logging.getLogger("flashlight.attention_fusion")
 
-_RESHAPES = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
 _ROW_REDUCTIONS = (aten.amax.default, aten.sum.dim_IntList)
-_MATMULS = (aten.bmm.default, aten.mm.default)
 
 
 def _batch_regrouping(node: object) -> bool:
@@ -61,14 +61,14 @@ def _replay_on(graph: torch.fx.Graph, softmax: list[torch.fx.Node], logits: torc
     return replaced[softmax[-1]]
 
 
-def _sink_below_softmax(graph: torch.fx.Graph, p: torch.fx.Node) -> bool:
+def _sink_below_softmax(graph: torch.fx.Graph, p: torch.fx.Node) -> None:
     matched = match_normalised_exp(p)
     if isinstance(matched, Decline) or not is_matmul_fed_by(p):
-        return False
+        return
     logits, softmax, _ = matched
     view = logits.args[0] if is_op(logits, prims.convert_element_type.default) else logits
     if not _batch_regrouping(view) or not _elementwise(view.args[0]):
-        return False  # (a view straight off the matmul is the scores' batch view the attention pass expects)
+        return  # (a view straight off the matmul is the scores' batch view the attention pass expects)
     with graph.inserting_before(p):
         probabilities = _replay_on(graph, softmax, logits, view)
         regrouped = call_op(graph, aten.reshape.default, (probabilities, list(p.meta["val"].shape)))
@@ -77,7 +77,6 @@ def _sink_below_softmax(graph: torch.fx.Graph, p: torch.fx.Node) -> bool:
         if not node.users:
             graph.erase_node(node)
     log.info("softmax %s moved below the view %s of its logits", p.name, view.name)
-    return True
 
 
 def _elementwise(node: object) -> bool:
@@ -119,7 +118,7 @@ def _lifts_to_a_matmul(view: torch.fx.Node) -> bool:
             return True
         if not _pointwise(node):
             continue
-        operands = [a for a in node.all_input_nodes]
+        operands = node.all_input_nodes
         if any(_regrouped_shape(a, before, after) is None for a in operands):
             return False
         stack.extend(operands)
