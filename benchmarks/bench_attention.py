@@ -43,7 +43,6 @@ FLASHLIGHT_POLICIES: dict[str, dict[str, Any]] = {
     "flashlight_libdevice_tanh": {"fast_tanh": False},
     "flashlight_all_rows_table": {"row_invariant_mask_blocks": False},
     "flashlight_per_logit_distance": {"distance_tables": False},
-    "flashlight_int_positions": {"float_positions": False},
 }
 COLUMNS = "variant,impl,B,H,M,N,D,dtype,ms,tflops,rel_err,compile_s,device,torch,triton,date".split(",")
 # Norm-wise relative error above which an output counts as wrong. Correct bf16 rows land between 2e-3 and 3e-2 (the

@@ -70,11 +70,6 @@ pair_reduction_max_channels: int = 64
 # table) is computed once per distance, into a small table the kernel reads per logit (fx_passes/distance_tables.py).
 distance_tables: bool = os.environ.get("FLASHLIGHT_DISTANCE_TABLES", "1") != "0"
 
-# An integer expression over ``arange`` positions that a float op reads (ALiBi's ``slope * (n - m)``) is computed in
-# float from converted position vectors, where value bounds prove it exact: one conversion per row and per column
-# instead of one per logit (fx_passes/float_positions.py).
-float_positions: bool = os.environ.get("FLASHLIGHT_FLOAT_POSITIONS", "1") != "0"
-
 # A ``gather`` off the score path (DeBERTa's content-to-position scores, gathered from a [B·H, M, 2k] matmul at the
 # relative position) moves into the chain: read per logit, no M×N tensor in memory. Off by default: on the H100,
 # DeBERTa-v3's whole forward at B16 S512 ran 4.56 ms with it and 4.39 ms reading the gathered bias (another process;

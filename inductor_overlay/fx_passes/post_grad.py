@@ -20,7 +20,6 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 from inductor_overlay import __version__, config
 from inductor_overlay.fx_passes.attention_fusion import fuse_attention
 from inductor_overlay.fx_passes.distance_tables import tabulate_distance_functions
-from inductor_overlay.fx_passes.float_positions import convert_positions_before_arithmetic
 from inductor_overlay.fx_passes.head_combination import distribute_matmul_over_head_combinations
 from inductor_overlay.fx_passes.pair_matmul import rewrite_pair_matmuls
 from inductor_overlay.fx_passes.scaled_matmuls import split_baddbmm_scores
@@ -35,7 +34,6 @@ POST_GRAD_PASSES: list[GraphPass] = [
     split_baddbmm_scores,
     move_batch_views_off_score_chains,
     tabulate_distance_functions,
-    convert_positions_before_arithmetic,
     distribute_matmul_over_head_combinations,
     rewrite_pair_matmuls,
     fuse_attention,
