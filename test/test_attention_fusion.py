@@ -428,6 +428,61 @@ def test_tile_configs_are_autotuned_only_under_max_autotune_by_default():
         assert kernel._autotuned(long_biased) == long_biased
 
 
+def test_light_chains_get_wide_tiles_over_long_rows():
+    """A chain that only does arithmetic per logit (ALiBi) and masks nothing gets 128×128 tiles over rows longer
+    than 1024, as plain attention does: 4 warps at head dim 64, 8 at 128. Short rows, a mask's visible loop at head
+    dim 64, a bias tensor and a gather keep their tiles."""
+    from inductor_overlay.kernel import online_softmax_attention as kernel
+
+    cuda = torch.device("cuda")
+    first = lambda *args, **kw: kernel.kernel_configs(*args, cuda, **kw)[0]  # noqa: E731
+    assert first(64, 64, columns=2048, light_chain=True) == dict(BLOCK_M=128, BLOCK_N=128, num_warps=4, num_stages=3)
+    assert first(128, 128, columns=2048, light_chain=True) == dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3)
+    for head_dim in (64, 128):
+        assert first(head_dim, head_dim, columns=1024, light_chain=True) == first(head_dim, head_dim, columns=1024)
+        assert first(head_dim, head_dim, columns=2048, light_chain=True, element_bytes=2) == first(
+            head_dim, head_dim, columns=2048, element_bytes=2)
+    assert first(64, 64, columns=2048, light_chain=True, visible_loop=True) == first(64, 64, columns=2048, visible_loop=True)
+    assert first(128, 128, columns=2048, light_chain=True, gathers=True) == first(128, 128, columns=2048, gathers=True)
+
+
+def _aten_chain(fn, *shapes):
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    return make_fx(fn)(*(torch.randn(shape) for shape in shapes))
+
+
+def test_light_score_chain_is_arithmetic_on_the_scores():
+    from inductor_overlay.kernel.online_softmax_attention import is_light_score_chain
+
+    def alibi(scores, rows, columns):
+        return scores * 0.125 + torch.pow(2.0, -rows[0, 0]) * (columns - rows)
+
+    def softcap(scores):
+        return 50.0 * torch.tanh(scores / 50.0)
+
+    def sigmoid_gate(scores, bias):
+        return torch.sigmoid(scores) + bias
+
+    assert is_light_score_chain(_aten_chain(alibi, (4, 8), (4, 1), (1, 8)))  # pow of a head value, not of a score
+    assert not is_light_score_chain(_aten_chain(softcap, (4, 8)))
+    assert not is_light_score_chain(_aten_chain(sigmoid_gate, (4, 8), (1, 8)))
+
+
+def test_alibi_is_compiled_as_a_light_chain(monkeypatch):
+    from inductor_overlay.kernel import online_softmax_attention as kernel
+
+    seen, original = [], kernel.kernel_configs
+    monkeypatch.setattr(kernel, "kernel_configs", lambda *args, **kw: seen.append(kw["light_chain"]) or original(*args, **kw))
+    shape = variants.Shape(B=1, H=4, M=64, N=64, D=16)
+    for name, light in (("alibi", True), ("softcap", False)):
+        q, k, v, extras = variants.make_inputs(variants.VARIANTS[name], shape, dtype=torch.bfloat16)
+        fn = next(iter(variants.VARIANTS[name].idioms.values()))
+        out, _ = compile_on_cpu(fn, q, k, v, **extras)
+        testing.assert_close_to_reference(out, reference(fn, q, k, v, **extras))
+        assert seen[-1] is light, name
+
+
 @pytest.mark.parametrize(
     "extra,expected", [("none", 0), ("mask", 1), ("bias", 4), ("row_bias", 0)], ids=["no-tensor", "mask", "bias", "broadcast-bias"]
 )

@@ -696,14 +696,15 @@ def _fitting_stages(config: tuple[int, int, int, int], d: int, dv: int, element_
 def kernel_configs(
     d: int, dv: int, device: torch.device, pair_channels: int = 0, element_bytes: int = 0,
     columns: int = 0, visible_loop: bool = False, mask_table: bool = False, shared_v_heads: int = 1,
-    gathers: bool = False,
+    gathers: bool = False, light_chain: bool = False,
 ) -> list[dict[str, int]]:
     """Tile sizes to autotune over (BLOCK_M, BLOCK_N, warps, stages), pruned by the head dims (QK, V), by the
     channels of a pair reduction, and by the shared memory left beside the tiles of score-sized tensors the chain
     reads (``element_bytes`` per score: a mask or a bias, whose loads are pipelined too) and by the row length
     (``columns``, N), by whether most tiles run in a loop without mask math (``visible_loop``) and whether a mask
     table decides which (``mask_table``), by the heads sharing one pass (``shared_v_heads``), and by whether the
-    chain reads a tensor at an index it computes per logit (``gathers``: T5's distance table). The first is
+    chain reads a tensor at an index it computes per logit (``gathers``: T5's distance table), and by whether its
+    per-logit work is arithmetic alone (``light_chain``: ALiBi, plain attention; 16-bit, softmax). The first is
     the one compiled alone outside max-autotune (``config.tile_autotuning``): the config that won most often for
     its case on the H100."""
     if device.type != "cuda" or _interpreting():
@@ -724,6 +725,10 @@ def kernel_configs(
         d *= shared_v_heads  # each stage holds every head's K tile
     elif max(d, dv) <= 64:
         shapes = [(64, 64, 4, 3), (128, 64, 8, 3), (128, 128, 4, 3)]
+        # A light chain with no mask and no score-sized tensor over rows longer than 1024: 128×128 (4 warps), ALiBi 6% faster at
+        # 4×32×4096×64 (h100_2026-11-26_alibi_tiles/).
+        if light_chain and not (visible_loop or element_bytes) and columns > 1024:
+            shapes.sort(key=lambda shape: shape != (128, 128, 4, 3))
     elif d <= 64 and dv <= 128:
         # DiffAttn's head pairs run in turn (the shared pass off or declined): four stages, by 4% at 32×32×512×64
         # and 4×32×4096×64 (h100_2026-11-24_causal_diff_warps/stages_sweep.txt).
@@ -747,6 +752,10 @@ def kernel_configs(
             shapes = [(128, 32, 4, 3), (128, 64, 8, 3), (64, 64, 4, 3)]
         else:
             shapes = [(64, 64, 4, 3), (128, 128, 8, 3), (128, 32, 4, 3)]
+            # A light chain over rows longer than 1024: 128×128 (8 warps), as plain attention; ALiBi 2–4% faster at
+            # 8×16×2048×128 and 1×16×16384×128 (h100_2026-11-26_alibi_tiles/).
+            if light_chain and columns > 1024:
+                shapes.sort(key=lambda shape: shape != (128, 128, 8, 3))
         # Chains whose tiles mostly run the visible loop (causal-like masks, a mask tensor outside its partial
         # tiles) over rows longer than 1024 do best on 128×128 (8 warps), as plain attention does
         # (h100_2026-11-23_tile_autotuning/).
@@ -806,6 +815,30 @@ def _causal_shaped_table(table: ir.Buffer) -> torch.Tensor:
 
 # Chain ops that read a tensor at an index computed per logit (T5's distance table, DeBERTa's relative positions).
 _GATHERS = (torch.ops.aten.index.Tensor, torch.ops.aten.gather.default)
+# Functions that cost a special-function-unit instruction or a libdevice call per element, as the softmax's exp2 does.
+_SPECIAL_FUNCTIONS = frozenset(
+    getattr(aten, name).default
+    for name in ("tanh", "sigmoid", "exp", "exp2", "expm1", "log", "log1p", "log2", "erf", "sin", "cos", "sqrt",
+                 "rsqrt", "reciprocal", "atan")
+) | {aten.pow.Tensor_Scalar, aten.pow.Tensor_Tensor}
+
+
+def is_light_score_chain(chain: torch.fx.GraphModule) -> bool:
+    """Whether the chain (scores, *captured) -> logits does only arithmetic per logit: no gather and no special
+    function of the scores (ALiBi's slopes may come from a ``pow`` of the head index, constant over a tile). Such a
+    chain keeps the registers and issue slots of plain attention, and its tiles."""
+    scores = next(node for node in chain.graph.nodes if node.op == "placeholder")
+    on_scores = {scores}
+    for node in chain.graph.nodes:
+        if node.op != "call_function":
+            continue
+        if node.target in _GATHERS:
+            return False
+        if any(arg in on_scores for arg in node.all_input_nodes):
+            if node.target in _SPECIAL_FUNCTIONS:
+                return False
+            on_scores.add(node)
+    return True
 
 
 class _ConstantIndexAsConstant(V.WrapperHandler):  # type: ignore[name-defined]
@@ -1109,6 +1142,7 @@ def _lower_attention(q, kt, v, captured, sink, chain_id, group_coefficients=None
         d, dv, device, channels, element_bytes=element_bytes, columns=columns, visible_loop=visible_loop,
         mask_table=chain.mask_table_module is not None, shared_v_heads=groups if shared_v else 1,
         gathers=any(node.target in _GATHERS for node in chain.graph_module.graph.nodes),
+        light_chain=chain.softmax and not fp32_dot and is_light_score_chain(chain.graph_module),
     )
     for config in _autotuned(configs):
         error = online_softmax_attention_template(*template_key).maybe_append_choice(
