@@ -429,21 +429,24 @@ def test_tile_configs_are_autotuned_only_under_max_autotune_by_default():
 
 
 def test_light_chains_get_wide_tiles_over_long_rows():
-    """A chain that only does arithmetic per logit (ALiBi) and masks nothing gets 128×128 tiles over rows longer
-    than 1024, as plain attention does: 4 warps at head dim 64, 8 at 128. Short rows, a mask's visible loop at head
-    dim 64, a bias tensor and a gather keep their tiles."""
+    """Over rows longer than 1024, a chain that only does arithmetic per logit (ALiBi) and masks nothing gets
+    128×128 tiles: 4 warps at head dim 64, 8 at 128; plain attention gets them at head dim 128 only. Short rows,
+    a mask's visible loop at head dim 64, a bias tensor and a gather keep their tiles."""
     from inductor_overlay.kernel import online_softmax_attention as kernel
 
     cuda = torch.device("cuda")
     first = lambda *args, **kw: kernel.kernel_configs(*args, cuda, **kw)[0]  # noqa: E731
-    assert first(64, 64, columns=2048, light_chain=True) == dict(BLOCK_M=128, BLOCK_N=128, num_warps=4, num_stages=3)
-    assert first(128, 128, columns=2048, light_chain=True) == dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3)
+    wide = dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3)
+    assert first(64, 64, columns=2048, chain_weight="light") == dict(wide, num_warps=4)
+    assert first(64, 64, columns=2048, chain_weight="none") == first(64, 64, columns=2048)
+    assert first(64, 64, columns=2048)["BLOCK_M"] == 64
+    assert first(128, 128, columns=2048, chain_weight="light") == first(128, 128, columns=2048, chain_weight="none") == wide
     for head_dim in (64, 128):
-        assert first(head_dim, head_dim, columns=1024, light_chain=True) == first(head_dim, head_dim, columns=1024)
-        assert first(head_dim, head_dim, columns=2048, light_chain=True, element_bytes=2) == first(
+        assert first(head_dim, head_dim, columns=1024, chain_weight="light") == first(head_dim, head_dim, columns=1024)
+        assert first(head_dim, head_dim, columns=2048, chain_weight="light", element_bytes=2) == first(
             head_dim, head_dim, columns=2048, element_bytes=2)
-    assert first(64, 64, columns=2048, light_chain=True, visible_loop=True) == first(64, 64, columns=2048, visible_loop=True)
-    assert first(128, 128, columns=2048, light_chain=True, gathers=True) == first(128, 128, columns=2048, gathers=True)
+    assert first(64, 64, columns=2048, chain_weight="light", visible_loop=True) == first(64, 64, columns=2048, visible_loop=True)
+    assert first(128, 128, columns=2048, chain_weight="light", gathers=True) == first(128, 128, columns=2048, gathers=True)
 
 
 def _aten_chain(fn, *shapes):
@@ -452,8 +455,8 @@ def _aten_chain(fn, *shapes):
     return make_fx(fn)(*(torch.randn(shape) for shape in shapes))
 
 
-def test_light_score_chain_is_arithmetic_on_the_scores():
-    from inductor_overlay.kernel.online_softmax_attention import is_light_score_chain
+def test_score_chain_weight():
+    from inductor_overlay.kernel.online_softmax_attention import score_chain_weight
 
     def alibi(scores, rows, columns):
         return scores * 0.125 + torch.pow(2.0, -rows[0, 0]) * (columns - rows)
@@ -464,23 +467,24 @@ def test_light_score_chain_is_arithmetic_on_the_scores():
     def sigmoid_gate(scores, bias):
         return torch.sigmoid(scores) + bias
 
-    assert is_light_score_chain(_aten_chain(alibi, (4, 8), (4, 1), (1, 8)))  # pow of a head value, not of a score
-    assert not is_light_score_chain(_aten_chain(softcap, (4, 8)))
-    assert not is_light_score_chain(_aten_chain(sigmoid_gate, (4, 8), (1, 8)))
+    assert score_chain_weight(_aten_chain(alibi, (4, 8), (4, 1), (1, 8))) == "light"  # pow of a head value
+    assert score_chain_weight(_aten_chain(softcap, (4, 8))) == "heavy"
+    assert score_chain_weight(_aten_chain(sigmoid_gate, (4, 8), (1, 8))) == "heavy"
+    assert score_chain_weight(_aten_chain(lambda scores: scores.float(), (4, 8))) == "none"
 
 
-def test_alibi_is_compiled_as_a_light_chain(monkeypatch):
+def test_chain_weight_reaches_the_tile_choice(monkeypatch):
     from inductor_overlay.kernel import online_softmax_attention as kernel
 
     seen, original = [], kernel.kernel_configs
-    monkeypatch.setattr(kernel, "kernel_configs", lambda *args, **kw: seen.append(kw["light_chain"]) or original(*args, **kw))
+    monkeypatch.setattr(kernel, "kernel_configs", lambda *args, **kw: seen.append(kw["chain_weight"]) or original(*args, **kw))
     shape = variants.Shape(B=1, H=4, M=64, N=64, D=16)
-    for name, light in (("alibi", True), ("softcap", False)):
+    for name, weight in (("alibi", "light"), ("softcap", "heavy"), ("vanilla", "none")):
         q, k, v, extras = variants.make_inputs(variants.VARIANTS[name], shape, dtype=torch.bfloat16)
         fn = next(iter(variants.VARIANTS[name].idioms.values()))
         out, _ = compile_on_cpu(fn, q, k, v, **extras)
         testing.assert_close_to_reference(out, reference(fn, q, k, v, **extras))
-        assert seen[-1] is light, name
+        assert seen[-1] == weight, name
 
 
 @pytest.mark.parametrize(

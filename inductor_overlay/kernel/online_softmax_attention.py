@@ -696,15 +696,15 @@ def _fitting_stages(config: tuple[int, int, int, int], d: int, dv: int, element_
 def kernel_configs(
     d: int, dv: int, device: torch.device, pair_channels: int = 0, element_bytes: int = 0,
     columns: int = 0, visible_loop: bool = False, mask_table: bool = False, shared_v_heads: int = 1,
-    gathers: bool = False, light_chain: bool = False,
+    gathers: bool = False, chain_weight: str = "heavy",
 ) -> list[dict[str, int]]:
     """Tile sizes to autotune over (BLOCK_M, BLOCK_N, warps, stages), pruned by the head dims (QK, V), by the
     channels of a pair reduction, and by the shared memory left beside the tiles of score-sized tensors the chain
     reads (``element_bytes`` per score: a mask or a bias, whose loads are pipelined too) and by the row length
     (``columns``, N), by whether most tiles run in a loop without mask math (``visible_loop``) and whether a mask
     table decides which (``mask_table``), by the heads sharing one pass (``shared_v_heads``), and by whether the
-    chain reads a tensor at an index it computes per logit (``gathers``: T5's distance table), and by whether its
-    per-logit work is arithmetic alone (``light_chain``: ALiBi, plain attention; 16-bit, softmax). The first is
+    chain reads a tensor at an index it computes per logit (``gathers``: T5's distance table), and by the chain's
+    per-logit work (``chain_weight``, ``score_chain_weight``: none, arithmetic alone, or more). The first is
     the one compiled alone outside max-autotune (``config.tile_autotuning``): the config that won most often for
     its case on the H100."""
     if device.type != "cuda" or _interpreting():
@@ -725,9 +725,10 @@ def kernel_configs(
         d *= shared_v_heads  # each stage holds every head's K tile
     elif max(d, dv) <= 64:
         shapes = [(64, 64, 4, 3), (128, 64, 8, 3), (128, 128, 4, 3)]
-        # A light chain with no mask and no score-sized tensor over rows longer than 1024: 128×128 (4 warps), ALiBi 6% faster at
-        # 4×32×4096×64 (h100_2026-11-26_alibi_tiles/).
-        if light_chain and not (visible_loop or element_bytes) and columns > 1024:
+        # Arithmetic per logit with no mask and no score-sized tensor (ALiBi) over rows longer than 1024: 128×128
+        # (4 warps), 4–5% less time at 4×32×4096×64 and 1×16×16384×64; plain attention (no per-logit work) keeps
+        # 64×64, 8% faster at 4×32×4096×64 (h100_2026-11-26_alibi_tiles/light_sweep.txt).
+        if chain_weight == "light" and not (visible_loop or element_bytes) and columns > 1024:
             shapes.sort(key=lambda shape: shape != (128, 128, 4, 3))
     elif d <= 64 and dv <= 128:
         # DiffAttn's head pairs run in turn (the shared pass off or declined): four stages, by 4% at 32×32×512×64
@@ -752,9 +753,10 @@ def kernel_configs(
             shapes = [(128, 32, 4, 3), (128, 64, 8, 3), (64, 64, 4, 3)]
         else:
             shapes = [(64, 64, 4, 3), (128, 128, 8, 3), (128, 32, 4, 3)]
-            # A light chain over rows longer than 1024: 128×128 (8 warps), as plain attention; ALiBi 2–4% faster at
-            # 8×16×2048×128 and 1×16×16384×128 (h100_2026-11-26_alibi_tiles/).
-            if light_chain and columns > 1024:
+            # No more than arithmetic per logit over rows longer than 1024: 128×128 (8 warps); at 1×16×16384×128
+            # plain attention 11%, GQA 8%, ALiBi 6% less time than 64×64, at 8×16×2048×128 0–3%
+            # (h100_2026-11-26_alibi_tiles/light_sweep.txt).
+            if chain_weight != "heavy" and columns > 1024:
                 shapes.sort(key=lambda shape: shape != (128, 128, 8, 3))
         # Chains whose tiles mostly run the visible loop (causal-like masks, a mask tensor outside its partial
         # tiles) over rows longer than 1024 do best on 128×128 (8 warps), as plain attention does
@@ -821,24 +823,30 @@ _SPECIAL_FUNCTIONS = frozenset(
     for name in ("tanh", "sigmoid", "exp", "exp2", "expm1", "log", "log1p", "log2", "erf", "sin", "cos", "sqrt",
                  "rsqrt", "reciprocal", "atan")
 ) | {aten.pow.Tensor_Scalar, aten.pow.Tensor_Tensor}
+# Chain ops that do no arithmetic: dtype conversions (the scores' upcast) and views.
+_NO_ARITHMETIC = frozenset(
+    {torch.ops.prims.convert_element_type.default, aten.unsqueeze.default, aten.squeeze.dim, aten.view.default,
+     aten.reshape.default, aten.expand.default, aten.permute.default, aten.clone.default}
+)
 
 
-def is_light_score_chain(chain: torch.fx.GraphModule) -> bool:
-    """Whether the chain (scores, *captured) -> logits does only arithmetic per logit: no gather and no special
-    function of the scores (ALiBi's slopes may come from a ``pow`` of the head index, constant over a tile). Such a
-    chain keeps the registers and issue slots of plain attention, and its tiles."""
+def score_chain_weight(chain: torch.fx.GraphModule) -> str:
+    """How much the chain (scores, *captured) -> logits does per logit, for the choice of tiles: "none" (plain
+    attention, its scale folded into exp2), "light" (arithmetic alone: ALiBi, whose slopes may come from a ``pow``
+    of the head index, constant over a tile) or "heavy" (a gather, or a special function of the scores)."""
     scores = next(node for node in chain.graph.nodes if node.op == "placeholder")
-    on_scores = {scores}
+    on_scores, ops = {scores}, 0
     for node in chain.graph.nodes:
         if node.op != "call_function":
             continue
+        ops += node.target not in _NO_ARITHMETIC
         if node.target in _GATHERS:
-            return False
+            return "heavy"
         if any(arg in on_scores for arg in node.all_input_nodes):
             if node.target in _SPECIAL_FUNCTIONS:
-                return False
+                return "heavy"
             on_scores.add(node)
-    return True
+    return "light" if ops else "none"
 
 
 class _ConstantIndexAsConstant(V.WrapperHandler):  # type: ignore[name-defined]
@@ -1142,7 +1150,7 @@ def _lower_attention(q, kt, v, captured, sink, chain_id, group_coefficients=None
         d, dv, device, channels, element_bytes=element_bytes, columns=columns, visible_loop=visible_loop,
         mask_table=chain.mask_table_module is not None, shared_v_heads=groups if shared_v else 1,
         gathers=any(node.target in _GATHERS for node in chain.graph_module.graph.nodes),
-        light_chain=chain.softmax and not fp32_dot and is_light_score_chain(chain.graph_module),
+        chain_weight=score_chain_weight(chain.graph_module) if chain.softmax and not fp32_dot else "heavy",
     )
     for config in _autotuned(configs):
         error = online_softmax_attention_template(*template_key).maybe_append_choice(
