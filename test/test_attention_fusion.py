@@ -449,6 +449,20 @@ def test_light_chains_get_wide_tiles_over_long_rows():
     assert first(128, 128, columns=2048, chain_weight="light", gathers=True) == first(128, 128, columns=2048, gathers=True)
 
 
+def test_id_masks_keep_small_tiles_up_to_rows_of_4096():
+    """Document ids at head dim 128: 64×64 tiles up to rows of 4096 (partial tiles along the documents' edges),
+    128×128 over longer rows, where other visible-loop chains take it from 2048."""
+    from inductor_overlay.kernel import online_softmax_attention as kernel
+
+    cuda = torch.device("cuda")
+    wide = dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3)
+    small = dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3)
+    document = [kernel.kernel_configs(128, 128, cuda, columns=n, visible_loop=True, id_mask=True, chain_weight="light")[0]
+                for n in (2048, 4096, 8192)]
+    assert document == [small, small, wide]
+    assert kernel.kernel_configs(128, 128, cuda, columns=2048, visible_loop=True)[0] == wide
+
+
 def _aten_chain(fn, *shapes):
     from torch.fx.experimental.proxy_tensor import make_fx
 
@@ -473,13 +487,14 @@ def test_score_chain_weight():
     assert score_chain_weight(_aten_chain(lambda scores: scores.float(), (4, 8))) == "none"
 
 
-def test_chain_weight_reaches_the_tile_choice(monkeypatch):
+def test_chain_weight_and_id_masks_reach_the_tile_choice(monkeypatch):
     from inductor_overlay.kernel import online_softmax_attention as kernel
 
     seen, original = [], kernel.kernel_configs
-    monkeypatch.setattr(kernel, "kernel_configs", lambda *args, **kw: seen.append(kw["chain_weight"]) or original(*args, **kw))
+    monkeypatch.setattr(kernel, "kernel_configs", lambda *args, **kw: seen.append((kw["chain_weight"], kw["id_mask"])) or original(*args, **kw))
     shape = variants.Shape(B=1, H=4, M=64, N=64, D=16)
-    for name, weight in (("alibi", "light"), ("softcap", "heavy"), ("vanilla", "none")):
+    cases = (("alibi", ("light", False)), ("softcap", ("heavy", False)), ("vanilla", ("none", False)), ("document", ("light", True)))
+    for name, weight in cases:
         q, k, v, extras = variants.make_inputs(variants.VARIANTS[name], shape, dtype=torch.bfloat16)
         fn = next(iter(variants.VARIANTS[name].idioms.values()))
         out, _ = compile_on_cpu(fn, q, k, v, **extras)

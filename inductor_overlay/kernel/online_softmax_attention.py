@@ -696,7 +696,7 @@ def _fitting_stages(config: tuple[int, int, int, int], d: int, dv: int, element_
 def kernel_configs(
     d: int, dv: int, device: torch.device, pair_channels: int = 0, element_bytes: int = 0,
     columns: int = 0, visible_loop: bool = False, mask_table: bool = False, shared_v_heads: int = 1,
-    gathers: bool = False, chain_weight: str = "heavy",
+    gathers: bool = False, chain_weight: str = "heavy", id_mask: bool = False,
 ) -> list[dict[str, int]]:
     """Tile sizes to autotune over (BLOCK_M, BLOCK_N, warps, stages), pruned by the head dims (QK, V), by the
     channels of a pair reduction, and by the shared memory left beside the tiles of score-sized tensors the chain
@@ -704,7 +704,8 @@ def kernel_configs(
     (``columns``, N), by whether most tiles run in a loop without mask math (``visible_loop``) and whether a mask
     table decides which (``mask_table``), by the heads sharing one pass (``shared_v_heads``), and by whether the
     chain reads a tensor at an index it computes per logit (``gathers``: T5's distance table), and by the chain's
-    per-logit work (``chain_weight``, ``score_chain_weight``: none, arithmetic alone, or more). The first is
+    per-logit work (``chain_weight``, ``score_chain_weight``: none, arithmetic alone, or more), and by whether a
+    run-time summary of id masks decides the tiles (``id_mask``: document ids). The first is
     the one compiled alone outside max-autotune (``config.tile_autotuning``): the config that won most often for
     its case on the H100."""
     if device.type != "cuda" or _interpreting():
@@ -753,15 +754,18 @@ def kernel_configs(
             shapes = [(128, 32, 4, 3), (128, 64, 8, 3), (64, 64, 4, 3)]
         else:
             shapes = [(64, 64, 4, 3), (128, 128, 8, 3), (128, 32, 4, 3)]
-            # No more than arithmetic per logit over rows longer than 1024: 128×128 (8 warps); at 1×16×16384×128
+            # No more than arithmetic per logit, no mask, over rows longer than 1024: 128×128 (8 warps); at 1×16×16384×128
             # plain attention 11%, GQA 8%, ALiBi 6% less time than 64×64, at 8×16×2048×128 0–3%
             # (h100_2026-11-26_alibi_tiles/light_sweep.txt).
-            if chain_weight != "heavy" and columns > 1024:
+            if chain_weight != "heavy" and not visible_loop and columns > 1024:
                 shapes.sort(key=lambda shape: shape != (128, 128, 8, 3))
         # Chains whose tiles mostly run the visible loop (causal-like masks, a mask tensor outside its partial
         # tiles) over rows longer than 1024 do best on 128×128 (8 warps), as plain attention does
         # (h100_2026-11-23_tile_autotuning/).
-        if visible_loop and columns > 1024:
+        # An id mask (document ids) leaves partial tiles along every boundary of its blocks, a share that grows with
+        # the tile's side over the block's: 64×64 up to rows of 4096 (12% and 4.5% less time at 8×16×2048×128 and
+        # 4×16×4096×128, level at 8192, 13% more at 16384; h100_2026-11-26_alibi_tiles/document_sweep.txt).
+        if visible_loop and columns > (4096 if id_mask else 1024):
             shapes.sort(key=lambda shape: shape != (128, 128, 8, 3))
         # Under a mask table (h100_2026-11-23_additive_masks/sweeps): a mask tensor read per element on the partial
         # tiles keeps 128×128 (8 warps, 2 stages fit) at rows of 1024 too, by 25% over the runner-up there; a mask
@@ -1151,6 +1155,7 @@ def _lower_attention(q, kt, v, captured, sink, chain_id, group_coefficients=None
         mask_table=chain.mask_table_module is not None, shared_v_heads=groups if shared_v else 1,
         gathers=any(node.target in _GATHERS for node in chain.graph_module.graph.nodes),
         chain_weight=score_chain_weight(chain.graph_module) if chain.softmax and not fp32_dot else "heavy",
+        id_mask=id_subgraphs is not None,
     )
     for config in _autotuned(configs):
         error = online_softmax_attention_template(*template_key).maybe_append_choice(
