@@ -727,8 +727,9 @@ def kernel_configs(
     elif max(d, dv) <= 64:
         shapes = [(64, 64, 4, 3), (128, 64, 8, 3), (128, 128, 4, 3)]
         # Arithmetic per logit with no mask and no score-sized tensor (ALiBi) over rows longer than 1024: 128×128
-        # (4 warps), 4–5% less time at 4×32×4096×64 and 1×16×16384×64; plain attention (no per-logit work) keeps
-        # 64×64, 8% faster at 4×32×4096×64 (h100_2026-11-26_alibi_tiles/light_sweep.txt).
+        # (4 warps), 5–7% less time at 4×32×4096×64 in three processes, 4% at 1×16×16384×64. Plain attention (no
+        # per-logit work) keeps 64×64: at 4×32×4096×64 it ran 8% faster in one process and 4% slower in another
+        # (h100_2026-11-26_alibi_tiles/sweeps/light_sweep.txt, final/probe_vanilla_tiles.txt).
         if chain_weight == "light" and not (visible_loop or element_bytes) and columns > 1024:
             shapes.sort(key=lambda shape: shape != (128, 128, 4, 3))
     elif d <= 64 and dv <= 128:
@@ -744,7 +745,7 @@ def kernel_configs(
         # runner-up at 2×16×8192×128 (h100_2026-11-22_stages_and_scale/sweep_d128.txt); over short ones 32 columns,
         # with 64 rows at rows of 256 (Evoformer's pair bias: 3–5% less time than 128 rows in two sweeps,
         # h100_2026-11-22_evoformer_epilogue/sweep.txt and h100_2026-11-23_ncu_and_baselines/evoformer_sweep/).
-        # Without one, 64×64 (soft-cap, document ids, ALiBi, and rows up to 1024).
+        # Without one, 64×64 (soft-cap, and rows up to 1024).
         if element_bytes > 0:
             short = (64, 32, 4, 3) if columns <= 256 else (128, 32, 4, 3)
             shapes = [(128, 64, 8, 3) if columns > 1024 else short, (64, 64, 4, 3), (128, 128, 8, 3)]
@@ -756,7 +757,7 @@ def kernel_configs(
             shapes = [(64, 64, 4, 3), (128, 128, 8, 3), (128, 32, 4, 3)]
             # No more than arithmetic per logit, no mask, over rows longer than 1024: 128×128 (8 warps); at 1×16×16384×128
             # plain attention 11%, GQA 8%, ALiBi 6% less time than 64×64, at 8×16×2048×128 0–3%
-            # (h100_2026-11-26_alibi_tiles/light_sweep.txt).
+            # (h100_2026-11-26_alibi_tiles/sweeps/light_sweep.txt).
             if chain_weight != "heavy" and not visible_loop and columns > 1024:
                 shapes.sort(key=lambda shape: shape != (128, 128, 8, 3))
         # Chains whose tiles mostly run the visible loop (causal-like masks, a mask tensor outside its partial
@@ -764,7 +765,8 @@ def kernel_configs(
         # (h100_2026-11-23_tile_autotuning/).
         # An id mask (document ids) leaves partial tiles along every boundary of its blocks, a share that grows with
         # the tile's side over the block's: 64×64 up to rows of 4096 (12% and 4.5% less time at 8×16×2048×128 and
-        # 4×16×4096×128, level at 8192, 13% more at 16384; h100_2026-11-26_alibi_tiles/document_sweep.txt).
+        # 4×16×4096×128, level at 8192, 15% more at 16384; h100_2026-11-26_alibi_tiles/sweeps/mask_sweep.txt and
+        # document_sweep.txt).
         if visible_loop and columns > (4096 if id_mask else 1024):
             shapes.sort(key=lambda shape: shape != (128, 128, 8, 3))
         # Under a mask table (h100_2026-11-23_additive_masks/sweeps): a mask tensor read per element on the partial
