@@ -1,4 +1,4 @@
-"""Run as `PYTHONPATH=. python tools/gpu_smoke.py [N | --case=K]`. Quick GPU check: every variant idiom fuses into one kernel and matches a float32 reference (small shapes)."""
+"""Run as `PYTHONPATH=. python tools/gpu_smoke.py [N | --case=K | --shape=BxHxSxD ...]`. Quick GPU check: every variant idiom fuses into one kernel and matches a float32 reference (small shapes; `--shape` adds bf16 cases, e.g. long ragged rows that take the wide tiles)."""
 
 import dataclasses
 import datetime
@@ -12,6 +12,7 @@ from torch._inductor.utils import run_and_get_code
 import flashlight
 
 flashlight.enable()  # explicit, so the scripts also run from a checkout that is not pip-installed
+from benchmarks.bench_attention import parse_shape
 from benchmarks.variants import VARIANTS, Shape, make_inputs
 from flashlight import testing
 from inductor_overlay import config
@@ -26,6 +27,7 @@ ALL_CASES = [
 ]
 # `N`: the first N cases; `--case=K`: case K alone (0-based).
 chosen = [ALL_CASES[int(arg.split("=", 1)[1])] for arg in sys.argv[1:] if arg.startswith("--case=")]
+chosen += [(parse_shape(arg.split("=", 1)[1]), torch.bfloat16) for arg in sys.argv[1:] if arg.startswith("--shape=")]
 CASES = chosen or (ALL_CASES[: int(sys.argv[1])] if len(sys.argv) > 1 else ALL_CASES)
 print(f"{torch.cuda.get_device_name()} torch {torch.__version__} triton {triton.__version__} {datetime.date.today()}", flush=True)
 for shape, dtype in CASES:
