@@ -704,7 +704,8 @@ def kernel_configs(
     (``columns``, N), by whether most tiles run in a loop without mask math (``visible_loop``) and whether a mask
     table decides which (``mask_table``), by the heads sharing one pass (``shared_v_heads``), and by whether the
     chain reads a tensor at an index it computes per logit (``gathers``: T5's distance table), and by the chain's
-    per-logit work (``chain_weight``, ``score_chain_weight``: none, arithmetic alone, or more), and by whether a
+    per-logit work (``chain_weight``, ``score_chain_weight``: none, arithmetic alone, or more; "heavy" for any
+    chain that is masked, not 16-bit or not a softmax), and by whether a
     run-time summary of id masks decides the tiles (``id_mask``: document ids). The first is
     the one compiled alone outside max-autotune (``config.tile_autotuning``): the config that won most often for
     its case on the H100."""
@@ -1152,11 +1153,14 @@ def _lower_attention(q, kt, v, captured, sink, chain_id, group_coefficients=None
     tiny_logit_scale = _power_of_two_below(logit_scale)
     choices: list[Any] = []
     element_bytes, columns = _score_sized_bytes(captured, m, n), V.graph.sizevars.size_hint(n)
+    # A chain whose tiles a mask may skip keeps the tiles its mask's rules give it, however light its arithmetic.
+    skips_tiles = not (chain.masked_tile_code is None and chain.visible_tile_code is None and id_subgraphs is None
+                       and table_subgraph is None)
     configs = kernel_configs(
         d, dv, device, channels, element_bytes=element_bytes, columns=columns, visible_loop=visible_loop,
         mask_table=chain.mask_table_module is not None, shared_v_heads=groups if shared_v else 1,
         gathers=any(node.target in _GATHERS for node in chain.graph_module.graph.nodes),
-        chain_weight=score_chain_weight(chain.graph_module) if chain.softmax and not fp32_dot else "heavy",
+        chain_weight=score_chain_weight(chain.graph_module) if chain.softmax and not fp32_dot and not skips_tiles else "heavy",
         id_mask=id_subgraphs is not None,
     )
     for config in _autotuned(configs):
