@@ -493,18 +493,16 @@ def test_chain_weight_and_id_masks_reach_the_tile_choice(monkeypatch):
     seen, original = [], kernel.kernel_configs
     monkeypatch.setattr(kernel, "kernel_configs", lambda *args, **kw: seen.append((kw["chain_weight"], kw["id_mask"])) or original(*args, **kw))
     shape = variants.Shape(B=1, H=4, M=64, N=64, D=16)
-    cases = (("alibi", ("light", False)), ("softcap", ("heavy", False)), ("vanilla", ("none", False)),
-             ("document", ("heavy", True)), ("causal_alibi", ("heavy", False)))
-    for name, weight in cases:
-        if name == "causal_alibi":  # light arithmetic, but a mask skips tiles: the mask's tiles
-            q, k, v, extras = variants.make_inputs(variants.VARIANTS["alibi"], shape, dtype=torch.bfloat16)
-            fn = causal_alibi
-        else:
-            q, k, v, extras = variants.make_inputs(variants.VARIANTS[name], shape, dtype=torch.bfloat16)
-            fn = next(iter(variants.VARIANTS[name].idioms.values()))
+    idiom = lambda name: next(iter(variants.VARIANTS[name].idioms.values()))  # noqa: E731
+    # (inputs of, program, expected): ALiBi under a causal mask is light arithmetic, but its mask's tiles rule.
+    cases = (("alibi", idiom("alibi"), ("light", False)), ("softcap", idiom("softcap"), ("heavy", False)),
+             ("vanilla", idiom("vanilla"), ("none", False)), ("document", idiom("document"), ("heavy", True)),
+             ("alibi", causal_alibi, ("heavy", False)))
+    for name, fn, weight in cases:
+        q, k, v, extras = variants.make_inputs(variants.VARIANTS[name], shape, dtype=torch.bfloat16)
         out, _ = compile_on_cpu(fn, q, k, v, **extras)
         testing.assert_close_to_reference(out, reference(fn, q, k, v, **extras))
-        assert seen[-1] == weight, name
+        assert seen[-1] == weight, fn.__name__
 
 
 def causal_alibi(q, k, v, slopes):

@@ -36,7 +36,7 @@ from torch._inductor.virtualized import ops
 from torch.utils._sympy.functions import ModularIndexing
 
 from inductor_overlay import config as overlay_config
-from inductor_overlay.fx_passes.block_sparsity import MASK_TABLE_CELL
+from inductor_overlay.fx_passes.block_sparsity import _COPIES, _DIM_VIEWS, MASK_TABLE_CELL
 from inductor_overlay.ops import SCORE_CHAINS
 
 # Dimension elimination keeps a whole head dim in one tile; above this a tile would not fit in registers.
@@ -381,12 +381,18 @@ TABLE_TEST = """
             table_hi = tl.maximum(table_hi, tl.max(cell_states, 1))"""
 
 
+def _skips_tiles(*tile_tests: object) -> bool:
+    """Whether any of a chain's tile tests (position masks, visible tiles, id summaries, a mask table) is present:
+    the kernel then decides per tile which to visit."""
+    return any(test is not None for test in tile_tests)
+
+
 def _tile_range(
     masked_tile_code: Optional[str], visible_tile_code: Optional[str], id_subgraphs: Optional[tuple[int, int]],
     table_subgraph: Optional[int] = None,
 ) -> str:
     """The code that sets [first_n, end_n) (and, with a visible-tile test, [full_lo, full_hi))."""
-    if masked_tile_code is None and visible_tile_code is None and id_subgraphs is None and table_subgraph is None:
+    if not _skips_tiles(masked_tile_code, visible_tile_code, id_subgraphs, table_subgraph):
         return ALL_TILES
     ids, table = id_subgraphs is not None, table_subgraph is not None
     tile_range = (
@@ -830,11 +836,8 @@ _SPECIAL_FUNCTIONS = frozenset(
     for name in ("tanh", "sigmoid", "exp", "exp2", "expm1", "log", "log1p", "log2", "erf", "sin", "cos", "sqrt",
                  "rsqrt", "reciprocal", "atan")
 ) | {aten.pow.Tensor_Scalar, aten.pow.Tensor_Tensor}
-# Chain ops that do no arithmetic: dtype conversions (the scores' upcast) and views.
-_NO_ARITHMETIC = frozenset(
-    {torch.ops.prims.convert_element_type.default, aten.unsqueeze.default, aten.squeeze.dim, aten.view.default,
-     aten.reshape.default, aten.expand.default, aten.permute.default, aten.clone.default}
-)
+# Chain ops that do no arithmetic: views, copies and dtype conversions (the scores' upcast).
+_NO_ARITHMETIC = frozenset(_DIM_VIEWS + _COPIES)
 
 
 def score_chain_weight(chain: torch.fx.GraphModule) -> str:
@@ -1154,8 +1157,7 @@ def _lower_attention(q, kt, v, captured, sink, chain_id, group_coefficients=None
     choices: list[Any] = []
     element_bytes, columns = _score_sized_bytes(captured, m, n), V.graph.sizevars.size_hint(n)
     # A chain whose tiles a mask may skip keeps the tiles its mask's rules give it, however light its arithmetic.
-    skips_tiles = not (chain.masked_tile_code is None and chain.visible_tile_code is None and id_subgraphs is None
-                       and table_subgraph is None)
+    skips_tiles = _skips_tiles(chain.masked_tile_code, chain.visible_tile_code, id_subgraphs, table_subgraph)
     configs = kernel_configs(
         d, dv, device, channels, element_bytes=element_bytes, columns=columns, visible_loop=visible_loop,
         mask_table=chain.mask_table_module is not None, shared_v_heads=groups if shared_v else 1,
