@@ -14,7 +14,7 @@ setup(
         "numpy<2",
     ],
     # transformers: test/test_hf_models.py compiles Hugging Face's own attention code (pinned: its idioms change).
-    extras_require={"test": ["pytest>=7", "expecttest", "filelock", "matplotlib", "transformers==5.24.0"]},
+    extras_require={"test": ["pytest>=7", "pytest-xdist>=3.2", "expecttest", "filelock", "matplotlib", "transformers==5.24.0"]},
     entry_points={
         # torch loads this group at the end of `import torch`; the hook only arms a lazy import hook.
         "torch.backends": ["flashlight = flashlight._autoload:autoload"],

@@ -7,6 +7,9 @@ Inductor generates Triton code for CPU tensors when ``cpu_backend == "triton"``,
 * Triton finds no active driver, but Inductor's codegen asks it for a target: a stub driver answers.
 * ``triton.language.extra.libdevice`` functions are empty stubs under the interpreter (they return None):
   NumPy implementations stand in for the ones Inductor emits.
+* The interpreter reduces with a Python call per element unless it knows the combine function: Inductor's own
+  (``triton_helpers.maximum``, ``minimum``, ``_any_combine``: the NaN-propagating max and min and ``any``) run as
+  NumPy reductions with the same meaning, so the mask tables' reductions take milliseconds, not minutes.
 * The interpreter runs no inline assembly: the overlay's one instruction (``tanh.approx.f32``, which the GPU
   path emits) runs as NumPy's exact tanh, so a test can force that path and check its wiring.
 
@@ -155,6 +158,29 @@ def _interpreted_device_function_call() -> Callable[..., Any]:
     return call_interpreted
 
 
+def _numpy_reductions(reduce_elementwise: Callable[..., Any]) -> Callable[..., Any]:
+    """A ``ReduceOps.apply_impl`` that runs Inductor's combine functions as NumPy ufunc reductions: ``maximum`` and
+    ``minimum`` propagate NaN as ``np.maximum``/``np.minimum`` do, ``_any_combine`` is ``a | b``. Any other combine
+    function keeps the interpreter's element-by-element reduction."""
+    from torch._inductor.runtime import triton_helpers
+
+    # Keyed by identity: hashing a JITFunction computes its cache key, which the interpreter's patches break.
+    ufuncs = {
+        id(triton_helpers.maximum): np.maximum,
+        id(triton_helpers.minimum): np.minimum,
+        id(triton_helpers._any_combine): np.bitwise_or,
+    }
+
+    def apply_impl(self: Any, input: Any) -> Any:
+        ufunc = ufuncs.get(id(self.combine_fn))
+        if ufunc is None or len(input) != 1:
+            return reduce_elementwise(self, input)
+        data = input[0].handle.data
+        return self.to_tensor(ufunc.reduce(data, axis=self.axis, keepdims=self.keep_dims), input[0].dtype)
+
+    return apply_impl
+
+
 def _poisoned_allocator(allocate: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
     """Buffers that compiled code allocates on the CPU start as NaN (or an extreme integer), so an element a kernel
     forgets to write shows up in the comparison with eager instead of passing on leftover memory."""
@@ -174,6 +200,7 @@ def cpu_triton() -> Iterator[None]:
     import triton.language as tl
     from triton.language.extra import libdevice
     from triton.runtime.driver import driver
+    from triton.runtime.interpreter import ReduceOps
     from triton.runtime.jit import JITFunction
 
     guards = torch._C._dynamo.guards
@@ -185,6 +212,7 @@ def cpu_triton() -> Iterator[None]:
         stack.enter_context(mock.patch.multiple(libdevice, **numpy_libdevice))
         stack.enter_context(mock.patch.object(tl, "inline_asm_elementwise", _numpy_inline_asm))
         stack.enter_context(mock.patch.object(JITFunction, "__call__", _interpreted_device_function_call()))
+        stack.enter_context(mock.patch.object(ReduceOps, "apply_impl", _numpy_reductions(ReduceOps.apply_impl)))
         stack.enter_context(
             mock.patch.object(guards, "_empty_strided_cpu", _poisoned_allocator(guards._empty_strided_cpu))
         )

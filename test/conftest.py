@@ -1,8 +1,48 @@
+"""Test harness: the overlay active, a fresh compiler state per test, and the two tiers of the suite.
+
+Tiers. The **CI tier** (``bash tools/test.sh``, what ``.ci/run`` runs) keeps at least one fusion test and one
+numeric test of every feature; long sweeps carry ``@pytest.mark.full`` and run only in the **full tier**
+(``bash tools/test.sh --full``, or ``pytest --full``): random programs beyond a fixed seed set, every Hugging Face
+family, every idiom of the demo. A parametrized sweep may mark only some of its cases (``pytest.param(...,
+marks=pytest.mark.full)``) so that its CI cases stay.
+"""
+
+import os
+import tempfile
+
 import pytest
 import torch
 from torch._inductor.utils import fresh_cache
 
 import flashlight
+
+
+def pytest_addoption(parser):
+    parser.addoption("--full", action="store_true", default=False,
+                     help="run the full tier too (tests marked @pytest.mark.full: long sweeps)")
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "full: a long sweep that runs only in the full tier (--full)")
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    if worker:  # pytest-xdist: one Inductor cache root per worker, so concurrent workers never share files
+        root = tempfile.mkdtemp(prefix=f"flashlight-{worker}-")
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = root
+        os.environ["TRITON_CACHE_DIR"] = os.path.join(root, "triton")
+
+
+def full_tier(config) -> bool:
+    return config.getoption("--full") or os.environ.get("FLASHLIGHT_TEST_TIER") == "full"
+
+
+def pytest_collection_modifyitems(config, items):
+    if full_tier(config):
+        return
+    kept = [item for item in items if item.get_closest_marker("full") is None]
+    deselected = [item for item in items if item.get_closest_marker("full") is not None]
+    if deselected:
+        config.hook.pytest_deselected(items=deselected)
+        items[:] = kept
 
 
 @pytest.fixture(autouse=True, scope="session")
