@@ -1,12 +1,18 @@
-"""``flashlight::online_softmax_attention``: the fused node the attention pass puts into the post-grad graph.
+"""``online_softmax_attention``: the fused node the attention pass puts into the post-grad graph.
 
 ``out[z] = softmax_N(chain(q[z] @ kt[z])) @ v[z]`` where ``chain`` is the user's own pointwise program between
 the two matmuls. With a ``sink`` (one logit per row) the softmax runs over one more column, which meets no V. A
 chain registered with ``softmax=False`` meets V directly: ``out[z] = chain(q[z] @ kt[z]) @ v[z]``. With
 ``group_coefficients`` (G values) the output combines consecutive groups of G heads: ``Σ_g c[g]·out[z·G + g]``.
 ``online_softmax_attention_with_pair_sum`` also returns the probabilities reduced against a per-pair tensor,
-``Σ_N p[z, m, n] · pair_values[z, m, n, :]`` (IPA). ``chain`` is kept (a GraphModule kept in
-:data:`SCORE_CHAINS`, keyed by the op's ``chain_id``). Each operand keeps the
+``Σ_N p[z, m, n] · pair_values[z, m, n, :]`` (IPA).
+
+The node describes itself: ``chain`` and the other GraphModules of its :class:`ScoreChain` (the chain without its
+masks, the id and table subgraphs, the exact chain of speculation) are subgraphs of the graph's own module, passed
+as get_attr nodes (``score_chain``), and the pass's decisions (block-skipping tests, scales, dtypes, flags) are a
+plain dict beside them (``decisions``). The node's target is the Python function that computes its meaning eagerly;
+Inductor lowers it to the kernel (``kernel/online_softmax_attention.py``). Nothing lives in process state, so the
+graph can be printed, copied or compiled again on its own. Each operand keeps the
 batch dims it had before the matmul flattened them (q ``[*bq, M, D]``, kt ``[*bk, D, N]``, v ``[*bv, N, Dv]``, each
 batch flattening row-major to the same Z entries). The chain sees scores shaped ``[*batch, M, N]`` with
 ``prod(batch) == Z``, exactly as in the user's graph. The output is ``[*output_batch, M, Dv]``, contiguous: with
@@ -14,14 +20,13 @@ batch flattening row-major to the same Z entries). The chain sees scores shaped 
 the user's graph views the matmul's output as, so that a consumer reading it through that view indexes it exactly
 as the kernel writes it (on the GPU Inductor matches an epilogue to its producer by those indices).
 
-``flashlight::mask_cell_states`` is the table of an additive mask the graph computes (HF's decoder mask), which the
-attention kernel reads to skip tiles: its bias is a kept GraphModule too (:data:`MASK_SUMMARIES`).
+``mask_cell_states_of`` is the table of an additive mask the graph computes (HF's decoder mask), which the
+attention kernel reads to skip tiles: its bias is a subgraph of the graph's module too, its summary plain data.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import math
 from typing import Optional
 
@@ -66,25 +71,30 @@ class ScoreChain:
     speculation_bound: float = math.inf  # the fast chain's result is exact where |row max| stays below this
 
 
-SCORE_CHAINS: dict[int, ScoreChain] = {}
-_next_chain_id = itertools.count()
+# The fields of a ScoreChain that hold GraphModules (a pair of them for the id masks): the fused node carries them as
+# subgraphs of the graph's own module (get_attr nodes, printed with the graph), every other field as plain data.
+SUBGRAPH_FIELDS = ("graph_module", "unmasked_graph_module", "id_graph_modules", "mask_table_module", "exact_graph_module")
 
 
-def register_score_chain(chain: ScoreChain) -> int:
-    chain_id = next(_next_chain_id)
-    SCORE_CHAINS[chain_id] = chain
-    return chain_id
+def chain_arguments(chain: ScoreChain) -> tuple[dict, dict]:
+    """``chain`` as the fused node's two arguments: its subgraphs (by field) and its decisions (plain data)."""
+    fields = {field.name: getattr(chain, field.name) for field in dataclasses.fields(chain)}
+    subgraphs = {name: fields.pop(name) for name in SUBGRAPH_FIELDS if fields[name] is not None}
+    for name in SUBGRAPH_FIELDS:
+        fields.pop(name, None)
+    return subgraphs, fields
 
 
-_library = torch.library.Library("flashlight", "DEF")
-_library.define(
-    "online_softmax_attention(Tensor q, Tensor kt, Tensor v, Tensor[] captured, Tensor? sink, int chain_id, "
-    "Tensor? group_coefficients=None, int[]? output_batch=None, SymInt[] sizes=[]) -> Tensor"
-)
-_library.define(
-    "online_softmax_attention_with_pair_sum(Tensor q, Tensor kt, Tensor v, Tensor[] captured, Tensor? sink, "
-    "int chain_id, Tensor pair_values, int[]? output_batch=None, SymInt[] sizes=[]) -> (Tensor, Tensor)"
-)
+def _module(subgraph):
+    """A GraphModule from what a subgraph argument holds: the module itself (the graph run eagerly), or Inductor's
+    ``ir.Subgraph`` of it (lowering)."""
+    if isinstance(subgraph, tuple):
+        return tuple(_module(part) for part in subgraph)
+    return getattr(subgraph, "graph_module", subgraph)
+
+
+def chain_from_arguments(subgraphs: dict, decisions: dict) -> ScoreChain:
+    return ScoreChain(**decisions, **{name: _module(subgraph) for name, subgraph in subgraphs.items()})
 
 
 def output_shape(chain: ScoreChain, m, dv, groups: int = 1, output_batch=None) -> list:
@@ -99,6 +109,8 @@ def _probabilities(chain: ScoreChain, q, kt, v, captured, sink, sizes=()) -> tor
     z = math.prod(chain.batch_shape)
     scores = torch.bmm(q.reshape(z, m, d), kt.reshape(z, d, n)).view(*chain.batch_shape, m, n)
     logits = chain.graph_module(scores, *captured, *sizes)
+    if chain.folded_scale != 1.0:  # the factor the pass took out of the chain (the kernel applies it with log2(e))
+        logits = logits * chain.folded_scale
     if not chain.softmax:
         return logits.to(chain.probability_dtype)
     if sink is None:
@@ -113,9 +125,10 @@ def _times_values(chain: ScoreChain, probabilities: torch.Tensor, v: torch.Tenso
     return torch.bmm(probabilities.reshape(z, m, n), v.reshape(z, n, dv))
 
 
-@torch.library.impl(_library, "online_softmax_attention", "CompositeExplicitAutograd")
-def online_softmax_attention_eager(q, kt, v, captured, sink, chain_id, group_coefficients=None, output_batch=None, sizes=()):
-    chain = SCORE_CHAINS[chain_id]
+def online_softmax_attention(q, kt, v, captured, sink, score_chain, decisions, group_coefficients=None, output_batch=None, sizes=()):
+    """The fused node's meaning, run eagerly (``score_chain``: the chain's subgraphs by field; ``decisions``: the
+    rest of its ScoreChain, plain data). Inductor lowers it to the kernel instead."""
+    chain = chain_from_arguments(score_chain, decisions)
     probabilities = _probabilities(chain, q, kt, v, captured, sink, sizes)
     out = _times_values(chain, probabilities, v)
     z, m, dv = out.shape
@@ -126,10 +139,9 @@ def online_softmax_attention_eager(q, kt, v, captured, sink, chain_id, group_coe
     return weighted.sum(1).to(out.dtype).view(output_shape(chain, m, dv, groups, output_batch))
 
 
-@torch.library.impl(_library, "online_softmax_attention_with_pair_sum", "CompositeExplicitAutograd")
-def online_softmax_attention_with_pair_sum_eager(q, kt, v, captured, sink, chain_id, pair_values, output_batch=None, sizes=()):
+def online_softmax_attention_with_pair_sum(q, kt, v, captured, sink, score_chain, decisions, pair_values, output_batch=None, sizes=()):
     """Also ``Σ_N p[..., m, n] · pair_values[..., m, n, c]``, as ``[Z, M, C]``."""
-    chain = SCORE_CHAINS[chain_id]
+    chain = chain_from_arguments(score_chain, decisions)
     probabilities = _probabilities(chain, q, kt, v, captured, sink, sizes)
     out = _times_values(chain, probabilities, v)
     z, m, dv = out.shape
@@ -160,15 +172,6 @@ class MaskSummary:
     row_invariant_when: Optional[str] = None
 
 
-MASK_SUMMARIES: dict[int, MaskSummary] = {}
-
-
-def register_mask_summary(summary: MaskSummary) -> int:
-    summary_id = next(_next_chain_id)
-    MASK_SUMMARIES[summary_id] = summary
-    return summary_id
-
-
 def cell_shape(shape) -> list:
     """``[*lead, ⌈M/c⌉, ⌈N/c⌉]`` for a mask ``[*lead, M, N]`` (c = TABLE_CELL)."""
     return [*shape[:-2], *(-(-size // TABLE_CELL) for size in shape[-2:])]
@@ -194,29 +197,38 @@ def mask_cell_states(summary: MaskSummary, bias: torch.Tensor) -> torch.Tensor:
     return torch.where(_all_per_cell(skipped), CELL_SKIPPED, states).to(torch.int8)
 
 
-_library.define("mask_cell_states(Tensor[] captured, int summary_id, SymInt[] sizes=[]) -> Tensor")
-
-
-@torch.library.impl(_library, "mask_cell_states", "CompositeExplicitAutograd")
-def mask_cell_states_eager(captured, summary_id, sizes=()):
-    summary = MASK_SUMMARIES[summary_id]
+def mask_cell_states_of(captured, bias, decisions, sizes=()):
+    """The table node's meaning, run eagerly: ``bias`` is the summary's subgraph, ``decisions`` the rest of its
+    MaskSummary (plain data). Inductor lowers it to the table kernel instead."""
+    summary = MaskSummary(graph_module=_module(bias), **decisions)
     return mask_cell_states(summary, summary.graph_module(None, *captured, *sizes))
 
 
-@torch.library.register_fake("flashlight::mask_cell_states")
-def mask_cell_states_fake(captured, summary_id, sizes=()):
-    return captured[0].new_empty(cell_shape(MASK_SUMMARIES[summary_id].shape), dtype=torch.int8)
+def mask_summary_arguments(summary: MaskSummary) -> tuple[torch.fx.GraphModule, dict]:
+    fields = {field.name: getattr(summary, field.name) for field in dataclasses.fields(summary)}
+    return fields.pop("graph_module"), fields
 
 
-@torch.library.register_fake("flashlight::online_softmax_attention")
-def online_softmax_attention_fake(q, kt, v, captured, sink, chain_id, group_coefficients=None, output_batch=None, sizes=()):
+def mask_cell_states_fake(captured, bias, decisions, sizes=()):
+    return captured[0].new_empty(cell_shape(decisions["shape"]), dtype=torch.int8)
+
+
+def online_softmax_attention_fake(q, kt, v, captured, sink, score_chain, decisions, group_coefficients=None, output_batch=None, sizes=()):
+    chain = ScoreChain(graph_module=None, **decisions)
     groups = 1 if group_coefficients is None else group_coefficients.numel()
-    return q.new_empty(output_shape(SCORE_CHAINS[chain_id], q.shape[-2], v.shape[-1], groups, output_batch), dtype=v.dtype)
+    return q.new_empty(output_shape(chain, q.shape[-2], v.shape[-1], groups, output_batch), dtype=v.dtype)
 
 
-@torch.library.register_fake("flashlight::online_softmax_attention_with_pair_sum")
-def online_softmax_attention_with_pair_sum_fake(q, kt, v, captured, sink, chain_id, pair_values, output_batch=None, sizes=()):
-    chain = SCORE_CHAINS[chain_id]
+def online_softmax_attention_with_pair_sum_fake(q, kt, v, captured, sink, score_chain, decisions, pair_values, output_batch=None, sizes=()):
+    chain = ScoreChain(graph_module=None, **decisions)
     z, m = math.prod(chain.batch_shape), q.shape[-2]
     out = q.new_empty(output_shape(chain, m, v.shape[-1], 1, output_batch), dtype=v.dtype)
     return out, q.new_empty(z, m, pair_values.shape[-1], dtype=chain.pair_dtype)
+
+
+# What the fusion pass computes a new node's fake value with, by the node's target.
+FAKE_IMPLS = {
+    online_softmax_attention: online_softmax_attention_fake,
+    online_softmax_attention_with_pair_sum: online_softmax_attention_with_pair_sum_fake,
+    mask_cell_states_of: mask_cell_states_fake,
+}

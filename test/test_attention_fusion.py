@@ -14,7 +14,10 @@ from torch.testing import FileCheck
 
 from benchmarks import variants
 from flashlight import testing
-from inductor_overlay import config
+from torch._inductor import config as inductor_config
+from torch._inductor.custom_graph_pass import CustomGraphPass
+
+from inductor_overlay import config, ops
 from test import attention_programs as programs
 
 counters = torch._dynamo.utils.counters
@@ -532,3 +535,49 @@ def test_configs_are_told_the_bytes_the_chain_reads_per_score(monkeypatch, extra
     out, code = compile_on_cpu(program, q, k, v, tensors[extra], fresh_cache=True)
     assert seen == [expected]
     testing.assert_close_to_reference(out, reference(program, q, k, v, tensors[extra]))
+
+
+class _KeepPostGradModule(CustomGraphPass):
+    """Keeps the post-grad graph's module, after every pass, so that a test can run it on its own."""
+
+    def __init__(self):
+        self.modules = []
+
+    def __call__(self, graph):
+        self.modules.append(graph.owning_module)
+
+    def uuid(self):
+        return None  # not cached
+
+
+@pytest.mark.parametrize("name", ["causal", "document", "hf_decoder_mask"])
+def test_the_fused_node_describes_itself(name):
+    """The fused node carries everything it needs: its chain (and the chain without masks, the id subgraphs, the
+    mask table's bias) as subgraphs of the graph's own module, its decisions as plain data. Printed, the graph shows
+    them; run eagerly on its own, the node computes the attention (no process state is consulted)."""
+    from torch._inductor.compile_fx import compile_fx
+
+    variant = variants.VARIANTS[name]
+    q, k, v, extras = variants.make_inputs(variant, variants.Shape(B=2, H=2, M=40, N=40, D=16))
+    keep, graph_inputs = _KeepPostGradModule(), []
+
+    def backend(graph_module, example_inputs):  # Inductor, keeping the inputs Dynamo hands the graph
+        graph_inputs.append(list(example_inputs))
+        return compile_fx(graph_module, example_inputs)
+
+    with testing.cpu_triton(), config.patch(sdpa_pattern_policy="flashlight"):
+        with inductor_config.patch(post_grad_custom_post_pass=keep):
+            out = torch.compile(variant.reference, backend=backend)(q, k, v, **extras)
+    (module,), (inputs,) = keep.modules, graph_inputs
+    assert sum(node.target is ops.online_softmax_attention for node in module.graph.nodes) == 1
+    printed = module.print_readable(print_output=False)
+    FileCheck().check("score_chain_0 = self.score_chain_0").check("online_softmax_attention(").check(
+        "'graph_module': score_chain_0"
+    ).check("'softmax': True").check("class score_chain_0(torch.nn.Module)").run(printed)
+    if name == "hf_decoder_mask":
+        assert any(node.target is ops.mask_cell_states_of for node in module.graph.nodes)
+    expected = reference(variant.reference, q, k, v, **extras)
+    eager = module(*inputs)
+    eager = eager[0] if isinstance(eager, (tuple, list)) else eager
+    testing.assert_close_to_reference(eager.view(expected.shape), expected)
+    testing.assert_close_to_reference(out, expected)

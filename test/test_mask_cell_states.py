@@ -7,6 +7,8 @@ import math
 import pytest
 import sympy
 import torch
+from torch._inductor import config as inductor_config
+from torch._inductor.custom_graph_pass import CustomGraphPass
 from torch._inductor.decomposition import select_decomp_table
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.testing import FileCheck
@@ -14,12 +16,13 @@ from torch.testing import FileCheck
 from flashlight import testing
 from inductor_overlay import ops
 from inductor_overlay.fx_passes import block_sparsity, post_grad  # noqa: F401  (registers the lowerings)
+from inductor_overlay.fx_passes.attention_fusion import call_op, subgraph
 
 LOWEST = torch.finfo(torch.float32).min
 
 
-def _summary_of(fn, captured, shape) -> int:
-    """A registered summary whose mask is ``fn(*captured)``, as the fusion pass builds it: (scores, *captured) -> mask."""
+def _summary_of(fn, captured, shape) -> ops.MaskSummary:
+    """A summary whose mask is ``fn(*captured)``, as the fusion pass builds it: (scores, *captured) -> mask."""
     traced = make_fx(fn, decomposition_table=select_decomp_table())(*captured)
     graph, env = torch.fx.Graph(), {}
     graph.placeholder("scores")
@@ -29,18 +32,41 @@ def _summary_of(fn, captured, shape) -> int:
         else:
             env[node] = graph.node_copy(node, lambda arg: env[arg])
     module = torch.fx.GraphModule(traced, graph)
-    return ops.register_mask_summary(ops.MaskSummary(module, tuple(shape), block_sparsity.ABSORBING_BIAS_GAP))
+    return ops.MaskSummary(module, tuple(shape), block_sparsity.ABSORBING_BIAS_GAP)
 
 
-def _kernel_table(summary_id, captured):
+class _TableNode(CustomGraphPass):
+    """A post-grad pass that makes the graph's output the table node of ``summary`` over the graph's inputs, as
+    the fusion pass inserts it (a subgraph of the graph's module and the summary's plain data)."""
+
+    def __init__(self, summary):
+        self.summary = summary
+
+    def __call__(self, graph):
+        inputs = [node for node in graph.nodes if node.op == "placeholder"]
+        output = next(node for node in graph.nodes if node.op == "output")
+        bias, decisions = ops.mask_summary_arguments(self.summary)
+        with graph.inserting_before(output):
+            table = call_op(graph, ops.mask_cell_states_of, (inputs, subgraph(graph, bias, "mask_bias"), decisions, []))
+        output.replace_input_with(output.args[0][0], table)
+        graph.eliminate_dead_code()
+
+    def uuid(self):
+        return None  # not cached
+
+
+def _kernel_table(summary, captured):
     """The table as the compiled graph computes it, the reference's, and the generated code."""
 
-    def table(*tensors):
-        return torch.ops.flashlight.mask_cell_states(list(tensors), summary_id, [])
+    def placeholder_table(*tensors):  # replaced by the table node (same shape and dtype)
+        total = sum(t.sum() for t in tensors)
+        return (total * 0).to(torch.int8).expand(ops.cell_shape(summary.shape)).clone()
 
-    reference = table(*captured)
-    with testing.cpu_triton():
-        out, code = testing.compile_and_get_code(table, *captured)
+    bias, decisions = ops.mask_summary_arguments(summary)
+    reference = ops.mask_cell_states_of(list(captured), bias, decisions, [])
+    with testing.cpu_triton(), inductor_config.patch(post_grad_custom_post_pass=_TableNode(summary)):
+        out, code = testing.compile_and_get_code(placeholder_table, *captured)
+    assert any("flashlight_mask_cells" in text or "ROW_CELL_MAX" in text for text in code), "no table kernel"
     return out, reference, code
 
 
@@ -187,11 +213,11 @@ def test_blocks_called_row_invariant_hold_one_row_of_bias(fn):
     assert called > 60
 
 
-def _summary_with_row_blocks(fn, captured, shape) -> int:
-    summary = ops.MASK_SUMMARIES[_summary_of(fn, captured, shape)]
+def _summary_with_row_blocks(fn, captured, shape) -> ops.MaskSummary:
+    summary = _summary_of(fn, captured, shape)
     code = block_sparsity.row_invariant_block_code(_formulas(fn, captured))
     assert code is not None
-    return ops.register_mask_summary(ops.MaskSummary(summary.graph_module, summary.shape, summary.absorbing_gap, code))
+    return ops.MaskSummary(summary.graph_module, summary.shape, summary.absorbing_gap, code)
 
 
 @pytest.mark.parametrize("rows", [200, 256, 300])

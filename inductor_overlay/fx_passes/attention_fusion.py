@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import logging
 import math
 import operator
@@ -74,7 +75,8 @@ from inductor_overlay.fx_passes.block_sparsity import is_op as _is
 from inductor_overlay.fx_passes.finite_speculation import guard_only_nodes, speculation_bound
 from inductor_overlay.fx_passes.logit_scale import fold_constant_scale
 from inductor_overlay.kernel.online_softmax_attention import MAX_HEAD_DIM
-from inductor_overlay.ops import DISTANCE_TABLE, MaskSummary, ScoreChain, register_mask_summary, register_score_chain
+from inductor_overlay import ops
+from inductor_overlay.ops import DISTANCE_TABLE, MaskSummary, ScoreChain
 
 # TORCH_LOGS=flashlight shows every fused attention and every declined one with its reason.
 log = logging.getLogger("flashlight.attention_fusion")
@@ -736,8 +738,9 @@ def _mask_table(graph: torch.fx.Graph, region: AttentionRegion, mask: Union[Tens
         summary = MaskSummary(
             _chain_value_module(region, mask.bias, list(shape)), shape, ABSORBING_BIAS_GAP, row_invariant_when
         )
-        inputs = (list(region.captured), register_mask_summary(summary), list(region.captured_sizes))
-        return call_op(graph, torch.ops.flashlight.mask_cell_states.default, inputs)
+        bias, decisions = ops.mask_summary_arguments(summary)
+        inputs = (list(region.captured), subgraph(graph, bias, "mask_bias"), decisions, list(region.captured_sizes))
+        return call_op(graph, ops.mask_cell_states_of, inputs)
     if isinstance(mask, AdditiveMask):
         return _additive_mask_table(graph, mask)
     return _tensor_mask_table(graph, mask)
@@ -884,14 +887,36 @@ def _speculated_guards(region: AttentionRegion) -> tuple[dict, float]:
 
 
 def call_op(graph: torch.fx.Graph, target: Any, args: tuple, kwargs: Optional[dict] = None) -> torch.fx.Node:
-    """A new node with its fake value (computed under the graph's fake mode)."""
+    """A new node with its fake value (computed under the graph's fake mode; the overlay's own nodes by their fake
+    implementation, ``ops.FAKE_IMPLS``)."""
     kwargs = kwargs or {}
     node = graph.call_function(target, args, kwargs)
     values, named = torch.fx.node.map_arg((args, kwargs), lambda arg: arg.meta.get("val"))
     tensors = [v for v in torch.utils._pytree.tree_leaves(values) if isinstance(v, torch.Tensor)]
     with torch._guards.detect_fake_mode(tensors) or contextlib.nullcontext():
-        node.meta["val"] = target(*values, **named)
+        node.meta["val"] = ops.FAKE_IMPLS.get(target, target)(*values, **named)
     return node
+
+
+def subgraph(graph: torch.fx.Graph, module: torch.fx.GraphModule, stem: str) -> torch.fx.Node:
+    """``module`` as a subgraph of the graph's own module: a get_attr node (``score_chain_0``, ...)."""
+    owner = graph.owning_module
+    name = next(f"{stem}_{i}" for i in itertools.count() if not hasattr(owner, f"{stem}_{i}"))
+    owner.add_submodule(name, module)
+    return graph.get_attr(name)
+
+
+def _subgraphs(graph: torch.fx.Graph, modules: dict) -> dict:
+    """The chain's GraphModules (by ScoreChain field; the id masks' pair as a tuple) as get_attr nodes."""
+    stems = {"graph_module": "score_chain", "unmasked_graph_module": "score_chain_unmasked",
+             "exact_graph_module": "score_chain_exact", "mask_table_module": "mask_table_chain"}
+    nodes = {}
+    for field, module in modules.items():
+        if field == "id_graph_modules":
+            nodes[field] = tuple(subgraph(graph, part, stem) for part, stem in zip(module, ("row_ids", "column_ids")))
+        else:
+            nodes[field] = subgraph(graph, module, stems[field])
+    return nodes
 
 
 def _broadcast(graph: torch.fx.Graph, node: torch.fx.Node, shape: list) -> torch.fx.Node:
@@ -970,31 +995,29 @@ def fuse(region: AttentionRegion, group_coefficients: Optional[torch.fx.Node] = 
     exact_module, exact_scale = None, 1.0
     if guards:
         exact_module, _, exact_scale = _folded_chains(region, _score_chain_module(region), None, fills)
-    chain_id = register_score_chain(
-        ScoreChain(
-            graph_module=chain_module,
-            batch_shape=tuple(score_shape[:-2]) or (1,),
-            score_dtype=_val(region.qk).dtype,
-            probability_dtype=region.probability_dtype,
-            masked_tile_code=fully_masked_tile_code(skippable) if config.block_skipping else None,
-            softmax=region.softmax,
-            sink_scale=region.logit_scale,
-            unmasked_graph_module=unmasked_module,
-            folded_scale=folded_scale,
-            visible_tile_code=visible_tile_code,
-            pair_dtype=_val(region.pair.result).dtype if region.pair is not None else None,
-            id_graph_modules=None if id_mask is None else tuple(
-                _chain_value_module(region, ids, list(score_shape)) for ids in (id_mask.rows, id_mask.columns)
-            ),
-            wide_logits=wide_logits,
-            exact_graph_module=exact_module,
-            exact_folded_scale=exact_scale,
-            speculation_bound=row_max_bound,
-            batch_fastest=_batch_fastest(region, score_shape),
-            mask_table_module=None if mask_table is None else _chain_value_module(
-                region, mask_table, [*(score_shape[:-2] or [1]), *_table_cells(score_shape, mask_table)]
-            ),
-        )
+    chain = ScoreChain(
+        graph_module=chain_module,
+        batch_shape=tuple(score_shape[:-2]) or (1,),
+        score_dtype=_val(region.qk).dtype,
+        probability_dtype=region.probability_dtype,
+        masked_tile_code=fully_masked_tile_code(skippable) if config.block_skipping else None,
+        softmax=region.softmax,
+        sink_scale=region.logit_scale,
+        unmasked_graph_module=unmasked_module,
+        folded_scale=folded_scale,
+        visible_tile_code=visible_tile_code,
+        pair_dtype=_val(region.pair.result).dtype if region.pair is not None else None,
+        id_graph_modules=None if id_mask is None else tuple(
+            _chain_value_module(region, ids, list(score_shape)) for ids in (id_mask.rows, id_mask.columns)
+        ),
+        wide_logits=wide_logits,
+        exact_graph_module=exact_module,
+        exact_folded_scale=exact_scale,
+        speculation_bound=row_max_bound,
+        batch_fastest=_batch_fastest(region, score_shape),
+        mask_table_module=None if mask_table is None else _chain_value_module(
+            region, mask_table, [*(score_shape[:-2] or [1]), *_table_cells(score_shape, mask_table)]
+        ),
     )
     # The fused node stands where the first of its outputs was computed.
     anchor = region.pv
@@ -1006,16 +1029,17 @@ def fuse(region: AttentionRegion, group_coefficients: Optional[torch.fx.Node] = 
     with graph.inserting_before(anchor):
         q, kt, v = (_materialise(graph, source) for source in (region.q, region.kt, region.v))
         sink = _broadcast(graph, region.sink, [*score_shape[:-1], 1]) if region.sink is not None else None
-        inputs = (q, kt, v, list(region.captured), sink, chain_id)
+        subgraphs, decisions = ops.chain_arguments(chain)
+        inputs = (q, kt, v, list(region.captured), sink, _subgraphs(graph, subgraphs), decisions)
         sizes = list(region.captured_sizes)
         if region.pair is None:
-            op = torch.ops.flashlight.online_softmax_attention.default
+            op = ops.online_softmax_attention
             fused = call_op(graph, op, (*inputs, group_coefficients, output_batch, sizes))
         else:
             assert group_coefficients is None, "head groups do not combine a pair reduction"
             pair_shape = [*score_shape, _val(region.pair.result).shape[-1]]
             values = _broadcast(graph, region.pair.values, pair_shape)
-            op = torch.ops.flashlight.online_softmax_attention_with_pair_sum.default
+            op = ops.online_softmax_attention_with_pair_sum
             both = call_op(graph, op, (*inputs, values, output_batch, sizes))
             fused, pair_sum = (call_op(graph, operator.getitem, (both, i)) for i in (0, 1))
             pair_result = call_op(graph, aten.view.default, (pair_sum, list(_val(region.pair.result).shape)))

@@ -24,7 +24,8 @@ from torch._inductor.utils import expr_fits_within_32bit
 from torch._inductor.virtualized import V
 
 from inductor_overlay.kernel.online_softmax_attention import _deeper, _lower_score_chain, _size_for_chain
-from inductor_overlay.ops import CELL_KEEPS, CELL_MIXED, CELL_SKIPPED, MASK_SUMMARIES, TABLE_CELL, cell_shape
+from inductor_overlay import ops as fused_ops
+from inductor_overlay.ops import CELL_KEEPS, CELL_MIXED, CELL_SKIPPED, TABLE_CELL, MaskSummary, cell_shape
 
 aten = torch.ops.aten
 
@@ -140,9 +141,9 @@ def mask_cells_template(row_invariant_when: Optional[str]) -> TritonTemplate:
     return TritonTemplate(name=name, grid=_grid, source=MASK_CELLS.replace("ROW_BLOCKS", blocks))
 
 
-@register_lowering(torch.ops.flashlight.mask_cell_states.default, type_promotion_kind=None)
-def mask_cell_states_lowering(captured, summary_id, sizes=()):
-    summary = MASK_SUMMARIES[summary_id]
+@register_lowering(fused_ops.mask_cell_states_of, type_promotion_kind=None)
+def mask_cell_states_lowering(captured, bias, decisions, sizes=()):
+    summary = MaskSummary(graph_module=bias.graph_module, **decisions)
     for tensor in captured:
         tensor.realize()
         tensor.freeze_layout()

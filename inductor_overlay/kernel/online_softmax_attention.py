@@ -37,7 +37,7 @@ from torch.utils._sympy.functions import ModularIndexing
 
 from inductor_overlay import config as overlay_config
 from inductor_overlay.fx_passes.block_sparsity import _COPIES, _DIM_VIEWS, MASK_TABLE_CELL
-from inductor_overlay.ops import SCORE_CHAINS
+from inductor_overlay import ops as fused_ops
 
 # Dimension elimination keeps a whole head dim in one tile; above this a tile would not fit in registers.
 MAX_HEAD_DIM = 256
@@ -1037,14 +1037,16 @@ def _lower_score_chain(
     return buffer
 
 
-@register_lowering(torch.ops.flashlight.online_softmax_attention.default, type_promotion_kind=None)
-def online_softmax_attention_lowering(q, kt, v, captured, sink, chain_id, group_coefficients=None, output_batch=None, sizes=()):
-    return _lower_attention(q, kt, v, captured, sink, chain_id, group_coefficients, output_batch=output_batch, sizes=sizes)
+@register_lowering(fused_ops.online_softmax_attention, type_promotion_kind=None)
+def online_softmax_attention_lowering(q, kt, v, captured, sink, score_chain, decisions, group_coefficients=None, output_batch=None, sizes=()):
+    chain = fused_ops.chain_from_arguments(score_chain, decisions)
+    return _lower_attention(q, kt, v, captured, sink, chain, group_coefficients, output_batch=output_batch, sizes=sizes)
 
 
-@register_lowering(torch.ops.flashlight.online_softmax_attention_with_pair_sum.default, type_promotion_kind=None)
-def online_softmax_attention_with_pair_sum_lowering(q, kt, v, captured, sink, chain_id, pair_values, output_batch=None, sizes=()):
-    return _lower_attention(q, kt, v, captured, sink, chain_id, pair_values=pair_values, output_batch=output_batch, sizes=sizes)
+@register_lowering(fused_ops.online_softmax_attention_with_pair_sum, type_promotion_kind=None)
+def online_softmax_attention_with_pair_sum_lowering(q, kt, v, captured, sink, score_chain, decisions, pair_values, output_batch=None, sizes=()):
+    chain = fused_ops.chain_from_arguments(score_chain, decisions)
+    return _lower_attention(q, kt, v, captured, sink, chain, pair_values=pair_values, output_batch=output_batch, sizes=sizes)
 
 
 def _shares_v_tile(chain: Any, groups: int, operands: Sequence[Any], dv: Any, plain_operands: bool) -> bool:
@@ -1078,8 +1080,7 @@ def _with_fixed_layout(tensor: Any) -> Any:
         return ir.TensorBox(ir.ExternKernel.realize_input(tensor))
 
 
-def _lower_attention(q, kt, v, captured, sink, chain_id, group_coefficients=None, pair_values=None, output_batch=None, sizes=()):
-    chain = SCORE_CHAINS[chain_id]
+def _lower_attention(q, kt, v, captured, sink, chain, group_coefficients=None, pair_values=None, output_batch=None, sizes=()):
     device = q.get_device()
     captured = [_with_fixed_layout(tensor) for tensor in captured]
     m, d = q.get_size()[-2:]
