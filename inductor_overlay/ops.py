@@ -33,6 +33,10 @@ from typing import Optional
 import torch
 
 
+# Dimension elimination keeps a whole head dim in one tile; above this a tile would not fit in registers.
+MAX_HEAD_DIM = 256
+
+
 @dataclasses.dataclass(frozen=True)
 class ScoreChain:
     """The user's pointwise program from raw scores ``q @ kt`` to softmax logits."""
@@ -69,6 +73,10 @@ class ScoreChain:
     exact_graph_module: Optional[torch.fx.GraphModule] = None
     exact_folded_scale: float = 1.0
     speculation_bound: float = math.inf  # the fast chain's result is exact where |row max| stays below this
+    # Tile-choice inputs: the chain's work per logit ("none", "light", "heavy": ``attention_fusion.score_chain_weight``)
+    # and whether it gathers from a tensor at a per-logit index.
+    chain_weight: str = "heavy"
+    gathers: bool = False
 
 
 # The fields of a ScoreChain that hold GraphModules (a pair of them for the id masks): the fused node carries them as

@@ -473,7 +473,7 @@ def _aten_chain(fn, *shapes):
 
 
 def test_score_chain_weight():
-    from inductor_overlay.kernel.online_softmax_attention import score_chain_weight
+    from inductor_overlay.fx_passes.attention_fusion import score_chain_weight
 
     def alibi(scores, rows, columns):
         return scores * 0.125 + torch.pow(2.0, -rows[0, 0]) * (columns - rows)

@@ -16,7 +16,7 @@ from torch.testing import FileCheck
 from flashlight import testing
 from inductor_overlay import ops
 from inductor_overlay.fx_passes import block_sparsity, post_grad  # noqa: F401  (registers the lowerings)
-from inductor_overlay.fx_passes.attention_fusion import call_op, subgraph
+from inductor_overlay.fx_passes.fx_helpers import call_op, subgraph
 
 LOWEST = torch.finfo(torch.float32).min
 

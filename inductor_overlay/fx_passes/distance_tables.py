@@ -27,7 +27,7 @@ import torch
 from torch._dynamo.utils import counters
 
 from inductor_overlay import config
-from inductor_overlay.fx_passes.attention_fusion import call_op
+from inductor_overlay.fx_passes.fx_helpers import call_op
 from inductor_overlay.fx_passes.block_sparsity import is_op
 from inductor_overlay.ops import DISTANCE_TABLE
 

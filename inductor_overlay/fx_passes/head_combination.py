@@ -26,18 +26,17 @@ from torch._dynamo.utils import counters
 from torch.fx.node import map_arg
 
 from inductor_overlay import config
-from inductor_overlay.fx_passes.attention_fusion import (
+from inductor_overlay.fx_passes.fx_helpers import (
     _MATMULS,
     _VIEWS,
     call_op,
-    Decline,
     _batch_source,
-    _is,
     _strip_order_preserving,
     _val,
-    find_attention,
-    fuse,
 )
+from inductor_overlay.fx_passes.attention_region import Decline, find_attention
+from inductor_overlay.fx_passes.block_sparsity import is_op as _is
+from inductor_overlay.fx_passes.attention_fusion import fuse
 from inductor_overlay.fx_passes.block_sparsity import depends_on
 
 log = logging.getLogger("flashlight.attention_fusion")

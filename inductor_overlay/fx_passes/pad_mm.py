@@ -15,7 +15,8 @@ import functools
 from typing import Any, Callable
 
 from inductor_overlay import config
-from inductor_overlay.fx_passes.attention_fusion import _MATMULS, _looks_like_softmax_input, reaches_row_max
+from inductor_overlay.fx_passes.fx_helpers import _MATMULS
+from inductor_overlay.fx_passes.attention_region import _looks_like_softmax_input, reaches_row_max
 from inductor_overlay.fx_passes.block_sparsity import is_op
 from inductor_overlay.state import overlay_active
 

@@ -18,15 +18,9 @@ from typing import Optional
 import torch
 
 from inductor_overlay import config
-from inductor_overlay.fx_passes.attention_fusion import (
-    _MATMULS,
-    Decline,
-    _batch_source,
-    _is,
-    _val,
-    call_op,
-    find_attention,
-)
+from inductor_overlay.fx_passes.fx_helpers import _MATMULS, _batch_source, _val, call_op
+from inductor_overlay.fx_passes.attention_region import Decline, find_attention
+from inductor_overlay.fx_passes.block_sparsity import is_op as _is
 
 log = logging.getLogger("flashlight.attention_fusion")
 

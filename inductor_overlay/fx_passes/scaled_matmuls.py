@@ -15,7 +15,8 @@ from typing import Optional
 import torch
 
 from inductor_overlay import config
-from inductor_overlay.fx_passes.attention_fusion import call_op, reaches_row_max
+from inductor_overlay.fx_passes.fx_helpers import call_op
+from inductor_overlay.fx_passes.attention_region import reaches_row_max
 
 aten = torch.ops.aten
 log = logging.getLogger("flashlight.attention_fusion")

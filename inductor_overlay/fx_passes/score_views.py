@@ -22,11 +22,9 @@ from typing import Optional
 import torch
 
 from inductor_overlay import config
-from inductor_overlay.fx_passes.attention_fusion import (
-    _MATMULS,
-    _RESHAPES,
+from inductor_overlay.fx_passes.fx_helpers import _MATMULS, _RESHAPES, call_op
+from inductor_overlay.fx_passes.attention_region import (
     Decline,
-    call_op,
     is_matmul_fed_by,
     match_normalised_exp,
     reaches_row_max,

@@ -26,16 +26,9 @@ import torch
 from torch._inductor.pattern_matcher import fwd_only
 
 from inductor_overlay import config
-from inductor_overlay.fx_passes.attention_fusion import (
-    _RESHAPES,
-    AttentionRegion,
-    BatchSource,
-    _batch_source,
-    _materialise,
-    _reroute_size_reads,
-    _score_chain_module,
-    call_op,
-)
+from inductor_overlay.fx_passes.fx_helpers import _RESHAPES, BatchSource, _batch_source, _materialise, call_op
+from inductor_overlay.fx_passes.attention_region import AttentionRegion
+from inductor_overlay.fx_passes.chain_modules import _reroute_size_reads, _score_chain_module
 from inductor_overlay.fx_passes.block_sparsity import COL, ROW, absorbing_fill_masks, position_masks
 from inductor_overlay.fx_passes.logit_scale import fold_constant_scale
 

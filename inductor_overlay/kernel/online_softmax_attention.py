@@ -36,11 +36,8 @@ from torch._inductor.virtualized import ops
 from torch.utils._sympy.functions import ModularIndexing
 
 from inductor_overlay import config as overlay_config
-from inductor_overlay.fx_passes.block_sparsity import _COPIES, _DIM_VIEWS, MASK_TABLE_CELL
 from inductor_overlay import ops as fused_ops
 
-# Dimension elimination keeps a whole head dim in one tile; above this a tile would not fit in registers.
-MAX_HEAD_DIM = 256
 
 aten = torch.ops.aten
 
@@ -359,7 +356,7 @@ COLUMN_ID_TEST = """
 
 
 # A mask passed in as a tensor is summarised by the graph, once per call, into a table of cell states (0 none of a
-# cell's elements masked, 1 some, 2 all; ``block_sparsity.MASK_TABLE_CELL``): the pre-pass reads the cells of each
+# cell's elements masked, 1 some, 2 all; ``ops.TABLE_CELL``): the pre-pass reads the cells of each
 # tile instead of the mask's elements.
 TABLE_STATE = """
     # This program's rows lie in CELLS_M rows of the mask table, from first_row_cell.
@@ -710,7 +707,7 @@ def kernel_configs(
     (``columns``, N), by whether most tiles run in a loop without mask math (``visible_loop``) and whether a mask
     table decides which (``mask_table``), by the heads sharing one pass (``shared_v_heads``), and by whether the
     chain reads a tensor at an index it computes per logit (``gathers``: T5's distance table), and by the chain's
-    per-logit work (``chain_weight``, ``score_chain_weight``: none, arithmetic alone, or more; "heavy" for any
+    per-logit work (``chain_weight``, ``attention_fusion.score_chain_weight``: none, arithmetic alone, or more; "heavy" for any
     chain that is masked, not 16-bit or not a softmax), and by whether a
     run-time summary of id masks decides the tiles (``id_mask``: document ids). The first is
     the one compiled alone outside max-autotune (``config.tile_autotuning``): the config that won most often for
@@ -810,7 +807,7 @@ def _autotuned(configs: list[dict[str, int]]) -> list[dict[str, int]]:
 
 
 def causal_cell_states(sizes: Sequence[int], strides: Sequence[int], device: Any = "cpu") -> torch.Tensor:
-    """The mask table of a causal mask (``block_sparsity.MASK_TABLE_CELL``): all masked above the diagonal, some
+    """The mask table of a causal mask (``ops.TABLE_CELL``): all masked above the diagonal, some
     on it, none below; int8 with the given sizes and strides."""
     rows, columns = torch.arange(sizes[-2])[:, None], torch.arange(sizes[-1])[None, :]
     states = (columns > rows).to(torch.int8) + (columns >= rows).to(torch.int8)
@@ -826,37 +823,6 @@ def causal_cell_states(sizes: Sequence[int], strides: Sequence[int], device: Any
 def _causal_shaped_table(table: ir.Buffer) -> torch.Tensor:
     hints = V.graph.sizevars.size_hint
     return causal_cell_states([hints(s) for s in table.get_size()], [hints(s) for s in table.get_stride()], table.get_device())
-
-
-# Chain ops that read a tensor at an index computed per logit (T5's distance table, DeBERTa's relative positions).
-_GATHERS = (torch.ops.aten.index.Tensor, torch.ops.aten.gather.default)
-# Functions that cost a special-function-unit instruction or a libdevice call per element, as the softmax's exp2 does.
-_SPECIAL_FUNCTIONS = frozenset(
-    getattr(aten, name).default
-    for name in ("tanh", "sigmoid", "exp", "exp2", "expm1", "log", "log1p", "log2", "erf", "sin", "cos", "sqrt",
-                 "rsqrt", "reciprocal", "atan")
-) | {aten.pow.Tensor_Scalar, aten.pow.Tensor_Tensor}
-# Chain ops that do no arithmetic: views, copies and dtype conversions (the scores' upcast).
-_NO_ARITHMETIC = frozenset(_DIM_VIEWS + _COPIES)
-
-
-def score_chain_weight(chain: torch.fx.GraphModule) -> str:
-    """How much the chain (scores, *captured) -> logits does per logit, for the choice of tiles: "none" (plain
-    attention, its scale folded into exp2), "light" (arithmetic alone: ALiBi, whose slopes may come from a ``pow``
-    of the head index, constant over a tile) or "heavy" (a gather, or a special function of the scores)."""
-    scores = next(node for node in chain.graph.nodes if node.op == "placeholder")
-    on_scores, ops = {scores}, 0
-    for node in chain.graph.nodes:
-        if node.op != "call_function":
-            continue
-        ops += node.target not in _NO_ARITHMETIC
-        if node.target in _GATHERS:
-            return "heavy"
-        if any(arg in on_scores for arg in node.all_input_nodes):
-            if node.target in _SPECIAL_FUNCTIONS:
-                return "heavy"
-            on_scores.add(node)
-    return "light" if ops else "none"
 
 
 class _ConstantIndexAsConstant(V.WrapperHandler):  # type: ignore[name-defined]
@@ -1104,7 +1070,7 @@ def _lower_attention(q, kt, v, captured, sink, chain, group_coefficients=None, p
     table_subgraph = None
     if chain.mask_table_module is not None:
         table_subgraph = len(subgraphs)
-        cells = [-(-V.graph.sizevars.guard_int(size) // MASK_TABLE_CELL) for size in (m, n)]
+        cells = [-(-V.graph.sizevars.guard_int(size) // fused_ops.TABLE_CELL) for size in (m, n)]
         subgraphs.append(_lower_score_chain(chain.mask_table_module, chain.score_dtype, [*batch_shape, *cells], device, chain_inputs))
     exact_subgraph, speculation = None, {}
     if chain.exact_graph_module is not None:
@@ -1162,8 +1128,8 @@ def _lower_attention(q, kt, v, captured, sink, chain, group_coefficients=None, p
     configs = kernel_configs(
         d, dv, device, channels, element_bytes=element_bytes, columns=columns, visible_loop=visible_loop,
         mask_table=chain.mask_table_module is not None, shared_v_heads=groups if shared_v else 1,
-        gathers=any(node.target in _GATHERS for node in chain.graph_module.graph.nodes),
-        chain_weight=score_chain_weight(chain.graph_module) if chain.softmax and not fp32_dot and not skips_tiles else "heavy",
+        gathers=chain.gathers,
+        chain_weight=chain.chain_weight if chain.softmax and not fp32_dot and not skips_tiles else "heavy",
         id_mask=id_subgraphs is not None,
     )
     for config in _autotuned(configs):
@@ -1189,9 +1155,9 @@ def _lower_attention(q, kt, v, captured, sink, chain, group_coefficients=None, p
             BATCH_FASTEST=chain.batch_fastest,
             SCAN_TILES=64 if overlay_config.vector_tile_scan else 1,
             POSITION_DTYPE="tl.int64" if wide else "tl.int32",
-            MASK_CELL=MASK_TABLE_CELL,
-            CELLS_M=max(config["BLOCK_M"] // MASK_TABLE_CELL, 1),
-            CELLS_N=max(config["BLOCK_N"] // MASK_TABLE_CELL, 1),
+            MASK_CELL=fused_ops.TABLE_CELL,
+            CELLS_M=max(config["BLOCK_M"] // fused_ops.TABLE_CELL, 1),
+            CELLS_N=max(config["BLOCK_N"] // fused_ops.TABLE_CELL, 1),
             DOT_PRECISION="'tf32'" if fp32_dot and torch.backends.cuda.matmul.allow_tf32 else "'ieee'",
             # Triton's interpreter multiplies 16-bit dot operands wrongly; it gets exact float32 ones instead.
             UPCAST_DOT_OPERANDS=_interpreting(),

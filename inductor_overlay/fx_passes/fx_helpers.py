@@ -1,0 +1,199 @@
+"""FX helpers shared by the overlay's passes: node values, op tuples, new nodes with their fake values, subgraphs of
+the graph's own module, and the batch sources of matmul operands."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import itertools
+from typing import Any, Optional
+
+import torch
+
+from inductor_overlay.fx_passes.block_sparsity import is_op as _is
+from inductor_overlay import ops
+
+aten = torch.ops.aten
+prims = torch.ops.prims
+
+_MATMULS = (aten.bmm.default, aten.mm.default)
+_RESHAPES = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
+_VIEWS = (
+    *_RESHAPES,
+    aten.expand.default,
+    aten.unsqueeze.default,
+    aten.squeeze.dim,
+    aten.squeeze.dims,
+    aten.squeeze.default,
+    aten.permute.default,
+    aten.transpose.int,
+    aten.slice.Tensor,
+    aten.select.int,
+    aten.alias.default,
+    aten.clone.default,
+)
+
+
+def _val(node: torch.fx.Node) -> Optional[torch.Tensor]:
+    value = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
+    return value if isinstance(value, torch.Tensor) else None
+
+
+def _preserves_element_order(node: torch.fx.Node) -> bool:
+    """A view that keeps the row-major order of elements: reshapes, size-1 dims added/removed or moved,
+    expands that expand nothing. Across such views the flat index of an element does not change."""
+    if _is(node, (*_RESHAPES, aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default,
+                  aten.clone.default, aten.alias.default)):
+        return True
+    if not (_is(node, (aten.expand.default, aten.permute.default)) and isinstance(node.args[0], torch.fx.Node)):
+        return False
+    source = _val(node.args[0])
+    if source is None:
+        return False
+    if _is(node, aten.expand.default):
+        return tuple(_val(node).shape) == tuple(source.shape)
+    if _is(node, aten.permute.default):
+        moved = [d for d in node.args[1] if source.shape[d] != 1]
+        return moved == sorted(moved)
+    return False
+
+
+def _strip_order_preserving(node: torch.fx.Node, also: tuple = ()) -> tuple[torch.fx.Node, list[torch.fx.Node]]:
+    seen = []
+    while isinstance(node, torch.fx.Node) and (_preserves_element_order(node) or _is(node, also)):
+        seen.append(node)
+        node = node.args[0]
+    return node, seen
+
+
+def _strip(node: torch.fx.Node, passthrough: tuple) -> tuple[torch.fx.Node, list[torch.fx.Node]]:
+    seen = []
+    while _is(node, passthrough):
+        seen.append(node)
+        node = node.args[0]
+    return node, seen
+
+
+def _matmul_operands(mm: torch.fx.Node) -> tuple[torch.fx.Node, torch.fx.Node]:
+    return mm.args[0], mm.args[1]
+
+
+_OPERAND_VIEWS = (*_RESHAPES, aten.expand.default, aten.permute.default, aten.transpose.int, aten.clone.default)
+
+
+def _swaps_last_two_dims(node: torch.fx.Node) -> bool:
+    if _is(node, aten.transpose.int):
+        rank = _val(node).dim()
+        return sorted(d % rank for d in node.args[1:3]) == [rank - 2, rank - 1]
+    if _is(node, aten.permute.default):
+        rank = _val(node).dim()
+        return list(node.args[1]) in ([*range(rank - 2), rank - 1, rank - 2], [*range(rank - 2), -1, -2])
+    return False
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchSource:
+    """What a matmul operand reads, before the graph flattened its batch dims: ``node`` (transposed in its last two
+    dims when ``transposed``) has batch dims whose row-major order is the operand's batch order."""
+
+    node: torch.fx.Node
+    transposed: bool
+
+
+def _batch_source(operand: torch.fx.Node) -> BatchSource:
+    """Peel off what only regroups batch dims or copies: reshapes keeping the last two dims, clones, expands that
+    expand nothing, and swaps of the last two dims (which commute with the rest). The kernel then reads e.g. a
+    transposed ``[B, S, H, D]``, or K and V repeated for GQA (``repeat_interleave`` = expand + clone + view), in
+    place through their own strides instead of from a copy."""
+    node, transposed = operand, False
+    while True:
+        source = node.args[0] if node.op == "call_function" and node.args else None
+        if not isinstance(source, torch.fx.Node) or _val(source) is None:
+            break
+        if _swaps_last_two_dims(node):
+            transposed = not transposed
+        elif _is(node, _RESHAPES) and tuple(_val(source).shape[-2:]) == tuple(_val(node).shape[-2:]):
+            pass
+        elif not (_is(node, aten.clone.default) or (_is(node, aten.expand.default) and _val(source).shape == _val(node).shape)):
+            break
+        node = source
+    return BatchSource(node, transposed)
+
+
+def _operand_scale(operand: torch.fx.Node) -> tuple[Optional[torch.fx.Node], float]:
+    """``view(s)(t * c)`` or ``view(s)(t / c)`` with a constant c: (the scaling node, c), else (None, 1).
+
+    A dot is linear in each operand, so ``(c·q) kᵀ = c·(q kᵀ)``: the constant moves onto the scores, where the
+    chain applies it to the tile in registers instead of in a separate pass over q.
+    """
+    base, _ = _strip(operand, _OPERAND_VIEWS)
+    if not (_is(base, (aten.mul.Tensor, aten.div.Tensor)) and len(base.users) == 1):
+        return None, 1.0
+    factor = base.args[1]
+    if not isinstance(factor, (int, float)) or isinstance(factor, bool) or factor == 0:
+        return None, 1.0
+    return base, float(factor) if base.target is aten.mul.Tensor else 1.0 / float(factor)
+
+
+def _replay_views_without_scale(graph: torch.fx.Graph, operand: torch.fx.Node, scaling: torch.fx.Node) -> torch.fx.Node:
+    """The operand's chain of views, re-applied to the unscaled tensor."""
+    views = []
+    node = operand
+    while node is not scaling:
+        views.append(node)
+        node = node.args[0]
+    replayed = scaling.args[0]
+    for view in reversed(views):
+        replayed = call_op(graph, view.target, (replayed, *view.args[1:]), dict(view.kwargs))
+    return replayed
+
+
+def _materialise(graph: torch.fx.Graph, source: BatchSource) -> torch.fx.Node:
+    """The operand node the fused op reads: the (scale-free) source, transposed back if it was."""
+    scaling, _ = _operand_scale(source.node)
+    node = _replay_views_without_scale(graph, source.node, scaling) if scaling is not None else source.node
+    if source.transposed:
+        rank = _val(node).dim()
+        node = call_op(graph, aten.permute.default, (node, [*range(rank - 2), rank - 1, rank - 2]))
+    return node
+
+
+def call_op(graph: torch.fx.Graph, target: Any, args: tuple, kwargs: Optional[dict] = None) -> torch.fx.Node:
+    """A new node with its fake value (computed under the graph's fake mode; the overlay's own nodes by their fake
+    implementation, ``ops.FAKE_IMPLS``)."""
+    kwargs = kwargs or {}
+    node = graph.call_function(target, args, kwargs)
+    values, named = torch.fx.node.map_arg((args, kwargs), lambda arg: arg.meta.get("val"))
+    tensors = [v for v in torch.utils._pytree.tree_leaves(values) if isinstance(v, torch.Tensor)]
+    with torch._guards.detect_fake_mode(tensors) or contextlib.nullcontext():
+        node.meta["val"] = ops.FAKE_IMPLS.get(target, target)(*values, **named)
+    return node
+
+
+def subgraph(graph: torch.fx.Graph, module: torch.fx.GraphModule, stem: str) -> torch.fx.Node:
+    """``module`` as a subgraph of the graph's own module: a get_attr node (``score_chain_0``, ...)."""
+    owner = graph.owning_module
+    name = next(f"{stem}_{i}" for i in itertools.count() if not hasattr(owner, f"{stem}_{i}"))
+    owner.add_submodule(name, module)
+    return graph.get_attr(name)
+
+
+def _broadcast(graph: torch.fx.Graph, node: torch.fx.Node, shape: list) -> torch.fx.Node:
+    """``node`` expanded to ``shape`` (a view: broadcast dims are read with stride 0)."""
+    if tuple(_val(node).shape) == tuple(shape):
+        return node
+    return call_op(graph, aten.expand.default, (node, shape))
+
+
+def _hoist_before(node: torch.fx.Node, anchor: torch.fx.Node) -> None:
+    """Move ``node`` and what it needs that comes after ``anchor`` to just before it, in their order (the per-pair
+    tensor of a pair reduction is often viewed after the output matmul; the fused node stands where that was)."""
+    position = {n: i for i, n in enumerate(anchor.graph.nodes)}
+    late, stack = set(), [node]
+    while stack:
+        current = stack.pop()
+        if current not in late and position[current] > position[anchor]:
+            late.add(current)
+            stack.extend(current.all_input_nodes)
+    for moved in sorted(late, key=position.__getitem__):
+        anchor.prepend(moved)
