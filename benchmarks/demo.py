@@ -13,6 +13,8 @@ from __future__ import annotations
 import contextlib
 import time
 
+from typing import Optional, Sequence
+
 import torch
 
 import flashlight
@@ -66,11 +68,12 @@ def _timings(fn, *args, **kwargs) -> str:
     return f" {times[0]:>9.3f} {times[1]:>10.3f} {times[2]:>13.3f} {times[1] / times[2]:>17.1f}×"
 
 
-def run(shape: Shape, dtype: torch.dtype, gpu: bool) -> list[tuple[str, bool, int, float]]:
-    """Print one line per variant; return (variant, fused, kernel count, relative error) for each."""
+def run(shape: Shape, dtype: torch.dtype, gpu: bool, names: Optional[Sequence[str]] = None) -> list[tuple[str, bool, int, float]]:
+    """Print one line per variant (those of ``names``, or all); return (variant, fused, kernel count, relative
+    error) for each."""
     results = []
     print(f"{'variant':20} {'fused':>6} {'kernels':>7} {'rel err':>9}" + (_TIMING_HEADER if gpu else ""))
-    for variant in VARIANTS.values():
+    for variant in [VARIANTS[name] for name in names] if names is not None else VARIANTS.values():
         fn = variant.reference
         q, k, v, extras = make_inputs(variant, shape, device="cuda" if gpu else "cpu", dtype=dtype)
         out, fused_count, kernels = _compile(fn, gpu, q, k, v, **extras)
@@ -81,7 +84,7 @@ def run(shape: Shape, dtype: torch.dtype, gpu: bool) -> list[tuple[str, bool, in
     return results
 
 
-def run_programs(gpu: bool) -> list[tuple[str, bool, int, float]]:
+def run_programs(gpu: bool, names: Optional[Sequence[str]] = None) -> list[tuple[str, bool, int, float]]:
     """Print one line per program of ``benchmarks/programs.py``; return (program, fused, kernel count, relative
     error) for each. On the GPU each runs at its first benchmark size in bf16, checked against float32 (float64
     would be slow at those sizes); programs without a GPU size are left out there, as the GPU benchmark does."""
@@ -89,7 +92,8 @@ def run_programs(gpu: bool) -> list[tuple[str, bool, int, float]]:
     header = f"{'program':30} {'fused':>6} {'kernels':>7} {'expected':>8} {'rel err':>9}"
     print(header + (_TIMING_HEADER if gpu else ""))
     dtype, reference_dtype = (torch.bfloat16, torch.float32) if gpu else (torch.float32, torch.float64)
-    for program in [p for p in PROGRAMS.values() if p.gpu_sizes or not gpu]:
+    chosen = [PROGRAMS[name] for name in names] if names is not None else PROGRAMS.values()
+    for program in [p for p in chosen if p.gpu_sizes or not gpu]:
         size = program.gpu_sizes[0] if gpu else program.cpu_size
         inputs = program.inputs(**size, device="cuda" if gpu else "cpu", dtype=dtype)
         out, fused_count, kernels = _compile(program.fn, gpu, **inputs)

@@ -169,7 +169,7 @@ DISTANCE_TABLE = "flashlight_distance_table"
 
 @dataclasses.dataclass(frozen=True)
 class MaskSummary:
-    """An additive mask ``[*lead, M or 1, N]`` the graph computes, as ``flashlight::mask_cell_states`` summarises
+    """An additive mask ``[*lead, M or 1, N]`` the graph computes, as ``mask_cell_states_of`` summarises
     it: cells all 0 keep the scores; cells ``absorbing_gap`` or more below their rows' largest bias are skipped."""
 
     graph_module: torch.fx.GraphModule  # (scores, *captured, *sizes) -> the bias; the scores are not read

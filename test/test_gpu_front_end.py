@@ -20,7 +20,7 @@ def _variant_code(dtype):
     return code
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, pytest.param(torch.bfloat16, marks=pytest.mark.full)])
 def test_variant_kernels_pass_the_gpu_front_end(dtype):
     testing.check_gpu_front_end(_variant_code(dtype))
 

@@ -1,7 +1,8 @@
 """Differential testing: random attention programs, compiled through the overlay, against float64 eager.
 
-CI runs a few hundred seeds; the long run (`python -m benchmarks.random_programs --count 10000`) is recorded in
-README.md. Every seed that ever failed is pinned in REGRESSIONS.
+The CI tier runs the pinned regression seeds and one fixed batch of seeds; the full tier (``--full``) runs
+``FLASHLIGHT_RANDOM_PROGRAMS`` seeds (240 by default); the long run (`python -m benchmarks.random_programs --count
+10000`) is recorded in README.md. Every seed that ever failed is pinned in REGRESSIONS.
 """
 
 import os
@@ -26,7 +27,11 @@ def test_regression_seeds(seed):
     assert ok, f"{program.describe()}: {detail}"
 
 
-@pytest.mark.parametrize("start", range(100_000, 100_000 + CI_COUNT, BATCH))
+# The first batch runs in the CI tier, the others in the full tier.
+@pytest.mark.parametrize("start", [
+    pytest.param(start, marks=[pytest.mark.full] if start >= 100_000 + BATCH else [])
+    for start in range(100_000, 100_000 + max(CI_COUNT, BATCH), BATCH)
+])
 def test_random_programs_match_eager(start):
     failures, fused = [], 0
     for seed in range(start, start + BATCH):

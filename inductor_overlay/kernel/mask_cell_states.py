@@ -1,4 +1,4 @@
-"""Lowering of ``flashlight::mask_cell_states`` to one Triton kernel: the table of an additive mask's cell states.
+"""Lowering of ``ops.mask_cell_states_of`` to one Triton kernel: the table of an additive mask's cell states.
 
 The attention kernel's pre-pass reads the table to skip tiles and to drop the add on tiles whose bias is all 0. The
 bias is the user's own expression (HF's causal-and-padding mask, from a ``[B, N]`` padding vector), lowered by
@@ -6,7 +6,7 @@ Inductor at the ``modification`` site as the attention kernel's score chain is: 
 registers, once, and never written to memory. One program summarises one row of cells (TABLE_CELL rows) over all
 columns. Inductor's own reductions over the same graph (three kernels) took 1.35–1.9 times longer on the H100
 (``benchmarks/results/h100_2026-11-23_mask_cells/``). A mask read from memory keeps them
-(``fx_passes/attention_fusion._mask_table``): they run at memory speed there, and this kernel did not.
+(``fx_passes/mask_tables._mask_table``): they run at memory speed there, and this kernel did not.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Lowering of ``flashlight::online_softmax_attention`` to one FlashAttention-style Triton kernel.
+"""Lowering of ``ops.online_softmax_attention`` to one FlashAttention-style Triton kernel.
 
 The loop skeleton below is what the algebraic rewrite (``fx_passes/attention_fusion.py``) derives for one softmax
 feeding one matmul: the N dimension of the scores is demoted to a sequential loop over column tiles (dimension
