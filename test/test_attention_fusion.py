@@ -581,3 +581,4 @@ def test_the_fused_node_describes_itself(name):
     eager = eager[0] if isinstance(eager, (tuple, list)) else eager
     testing.assert_close_to_reference(eager.view(expected.shape), expected)
     testing.assert_close_to_reference(out, expected)
+

@@ -49,3 +49,29 @@ def test_hf_model_attention_fuses_and_matches_eager(family, padded):
     assert "baddbmm" not in "\n".join(code)
     assert family.position_matmuls or "extern_kernels.bmm" not in "\n".join(code)
     testing.assert_close_to_reference(out, expected, rtol=1e-4, atol=1e-4)
+
+
+def test_swin_shifted_window_attention_fuses_without_a_fault():
+    """Hugging Face's Swin (eager attention, shifted windows): the shifted blocks add the position bias (a table
+    gathered per head) and the window mask (viewed over ``[B / nW, nW, H, W², W²]``) to the scores; the two meet
+    inside the score chain, where Inductor's broadcast must not realise their sum (a pointwise subgraph holds no
+    buffer: the lowering faulted and the whole graph fell back). Every window attention fuses, nothing falls back,
+    no buffer holds a window's scores, and the output matches eager."""
+    from transformers import SwinConfig, SwinModel
+
+    torch.manual_seed(0)
+    swin = SwinConfig(image_size=16, patch_size=2, num_channels=3, embed_dim=16, depths=[2], num_heads=[4],
+                      window_size=4, mlp_ratio=1.0, attn_implementation="eager")
+    model = SwinModel(swin).eval()
+    pixels = torch.randn(2, 3, 16, 16)
+    with torch.no_grad():
+        expected = model(pixels).last_hidden_state
+        with testing.cpu_triton():
+            out, code = testing.compile_and_get_code(lambda x: model(x).last_hidden_state, pixels)
+    assert counters["inductor"]["flashlight_attention_fused"] == 2  # two blocks, the second with shifted windows
+    assert counters["inductor"]["flashlight_fault_fallback"] == 0
+    kernels = testing.triton_kernels(code)
+    assert sum("for start_n in range(" in text for text in kernels.values()) == 2
+    # The scores: 2 images × 4 windows × 4 heads × 16 × 16 elements; the largest other tensor holds 2048.
+    assert max(testing.allocated_buffer_numels(code)) < 2 * 4 * 4 * 16 * 16
+    testing.assert_close_to_reference(out, expected, rtol=1e-4, atol=1e-4)

@@ -18,6 +18,7 @@ import math
 import os
 import re
 from typing import Any, Optional, Sequence
+from unittest import mock
 
 import sympy
 import torch
@@ -951,6 +952,10 @@ def _expand_per_tile(x: Any, sizes: Sequence[Any]) -> Any:
     return ir.TensorBox(ir.ExpandView.create(x.data, tuple(sizes)))
 
 
+def _computed_per_element(self: Any, users: int) -> None:
+    """``StorageBox.mark_reuse`` inside the score chain: nothing is realised, the value is recomputed where read."""
+
+
 class _ScoreChainLowering(PointwiseSubgraphLowering):
     """Inductor's pointwise subgraph lowering, with the tanhs in ``fast_tanhs`` lowered as ``tanh.approx.f32``."""
 
@@ -986,7 +991,10 @@ def _lower_score_chain(
         root_graph_lowering=V.graph,
         additional_lowerings={aten.sum.dim_IntList: _unrolled_sum, aten.expand.default: _expand_per_tile},
     )
-    with V.set_graph_handler(lowering):
+    # Every value of the chain is computed per tile element: a broadcast inside it (``broadcast_tensors`` of an add
+    # of two captured tensors of different shapes, Swin's position bias plus its window mask) must not realise its
+    # input, as Inductor does for a value it expects to read many times; a pointwise subgraph cannot hold a buffer.
+    with V.set_graph_handler(lowering), mock.patch.object(ir.StorageBox, "mark_reuse", _computed_per_element):
         lowering.run(score, *captured)
     outputs = lowering.graph_outputs
     logits = outputs[0] if isinstance(outputs, (list, tuple)) else outputs
