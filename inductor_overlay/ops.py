@@ -116,9 +116,13 @@ def _probabilities(chain: ScoreChain, q, kt, v, captured, sink, sizes=()) -> tor
     m, d, n = q.shape[-2], q.shape[-1], v.shape[-2]
     z = math.prod(chain.batch_shape)
     scores = torch.bmm(q.reshape(z, m, d), kt.reshape(z, d, n)).view(*chain.batch_shape, m, n)
-    logits = chain.graph_module(scores, *captured, *sizes)
-    if chain.folded_scale != 1.0:  # the factor the pass took out of the chain (the kernel applies it with log2(e))
-        logits = logits * chain.folded_scale
+    # The whole chain: with finite speculation, the exact one (the kernel's fast chain is checked against it).
+    exact = chain.exact_graph_module is not None
+    module = chain.exact_graph_module if exact else chain.graph_module
+    folded_scale = chain.exact_folded_scale if exact else chain.folded_scale
+    logits = module(scores, *captured, *sizes)
+    if folded_scale != 1.0:  # the factor the pass took out of the chain (the kernel applies it with log2(e))
+        logits = logits * folded_scale
     if not chain.softmax:
         return logits.to(chain.probability_dtype)
     if sink is None:

@@ -8,6 +8,7 @@ marks=pytest.mark.full)``) so that its CI cases stay.
 """
 
 import os
+import shutil
 import tempfile
 
 import pytest
@@ -26,9 +27,15 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "full: a long sweep that runs only in the full tier (--full)")
     worker = os.environ.get("PYTEST_XDIST_WORKER")
     if worker:  # pytest-xdist: one Inductor cache root per worker, so concurrent workers never share files
-        root = tempfile.mkdtemp(prefix=f"flashlight-{worker}-")
+        config._flashlight_cache_root = root = tempfile.mkdtemp(prefix=f"flashlight-{worker}-")
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = root
         os.environ["TRITON_CACHE_DIR"] = os.path.join(root, "triton")
+
+
+def pytest_unconfigure(config):
+    root = getattr(config, "_flashlight_cache_root", None)
+    if root:
+        shutil.rmtree(root, ignore_errors=True)
 
 
 def full_tier(config) -> bool:

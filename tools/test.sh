@@ -5,20 +5,25 @@
 #   bash tools/test.sh --full                   the full tier: the CI tier and the long sweeps (@pytest.mark.full)
 #   bash tools/test.sh test/test_demo.py -x     pytest arguments pass through (one file, -k, -x, ...)
 #
-# Tests run on every core (pytest-xdist, FLASHLIGHT_TEST_WORKERS overrides the count; 0 runs in one process), and
+# Tests run on every core, up to 4 (pytest-xdist; FLASHLIGHT_TEST_WORKERS overrides the count, 0 runs them in one
+# process, as --pdb needs), and
 # the slowest are listed at the end of every run, so that growth is visible.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 installed() {
-  python3 - <<'PY' 2>/dev/null
+  # -P: the installed package, not the checkout the current directory would put first on sys.path
+  python3 -P - <<'PY' 2>/dev/null
 import importlib.metadata as metadata, pathlib, sys
 import flashlight
-expected = {"torch": "2.11.0", "transformers": "5.24.0"}
-for name, version in expected.items():
-    if not metadata.version(name).startswith(version):
-        sys.exit(1)
-for name in ("pytest", "pytest-xdist", "expecttest", "filelock", "matplotlib"):
+pins = {"torch": "2.11.0", "transformers": "5.24.0"}
+if any(not metadata.version(name).startswith(version) for name, version in pins.items()):
+    sys.exit(1)
+if int(metadata.version("numpy").split(".")[0]) >= 2:  # Triton's interpreter needs NumPy 1.x
+    sys.exit(1)
+if tuple(int(part) for part in metadata.version("pytest-xdist").split(".")[:2]) < (3, 2):  # --dist worksteal
+    sys.exit(1)
+for name in ("flashlight-inductor", "pytest", "expecttest", "filelock", "matplotlib"):
     metadata.version(name)
 # an editable install of this checkout, not of another clone
 sys.exit(pathlib.Path(flashlight.__file__).resolve().parents[1] != pathlib.Path.cwd().resolve())
@@ -36,9 +41,9 @@ fi
 # The whole suite unless a test file or folder is named (bash tools/test.sh test/test_demo.py).
 targets=(test)
 for argument in "$@"; do
-  if [ -e "${argument%%::*}" ]; then
-    targets=()
-  fi
+  case "$argument" in
+    test/*|./test/*) targets=() ;;
+  esac
 done
 set +e
 python3 -m pytest "${targets[@]}" -q -p no:cacheprovider -p no:benchmark --durations=15 "${parallel[@]}" "$@"
