@@ -2,7 +2,6 @@
 per-head bias gathered from a position table plus a window mask, over windows of 7×7 and 8×8 tokens, timed for the
 fused kernel, default `torch.compile` (fusion off) and SDPA given bias + mask prebuilt as one additive mask (the
 mask's construction not timed); each output checked against float32 eager."""
-import sys
 import torch, triton
 import flashlight
 from triton.testing import do_bench
