@@ -50,7 +50,7 @@ python3 -m pytest "${targets[@]}" -q -p no:cacheprovider -p no:benchmark --durat
 status=$?
 set -e
 if [ "$status" -eq 5 ]; then
-  echo "pytest collected no tests: the suite is missing" >&2
+  echo "pytest collected no tests: the suite is missing, or the selection matched nothing" >&2
   exit 1
 fi
 exit "$status"
