@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import time
-
 from typing import Optional, Sequence
 
 import torch

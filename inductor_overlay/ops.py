@@ -79,18 +79,22 @@ class ScoreChain:
     gathers: bool = False
 
 
-# The fields of a ScoreChain that hold GraphModules (a pair of them for the id masks): the fused node carries them as
-# subgraphs of the graph's own module (get_attr nodes, printed with the graph), every other field as plain data.
-SUBGRAPH_FIELDS = ("graph_module", "unmasked_graph_module", "id_graph_modules", "mask_table_module", "exact_graph_module")
+# The fields of a ScoreChain that hold GraphModules (a pair of them for the id masks), with the names their subgraphs
+# take in the graph's module: the fused node carries them as get_attr nodes, every other field as plain data.
+SUBGRAPH_NAMES = {
+    "graph_module": "score_chain",
+    "unmasked_graph_module": "score_chain_unmasked",
+    "id_graph_modules": ("row_ids", "column_ids"),
+    "mask_table_module": "mask_table_chain",
+    "exact_graph_module": "score_chain_exact",
+}
 
 
 def chain_arguments(chain: ScoreChain) -> tuple[dict, dict]:
     """``chain`` as the fused node's two arguments: its subgraphs (by field) and its decisions (plain data)."""
-    fields = {field.name: getattr(chain, field.name) for field in dataclasses.fields(chain)}
-    subgraphs = {name: fields.pop(name) for name in SUBGRAPH_FIELDS if fields[name] is not None}
-    for name in SUBGRAPH_FIELDS:
-        fields.pop(name, None)
-    return subgraphs, fields
+    decisions = {field.name: getattr(chain, field.name) for field in dataclasses.fields(chain)}
+    subgraphs = {name: decisions.pop(name) for name in SUBGRAPH_NAMES}
+    return {name: module for name, module in subgraphs.items() if module is not None}, decisions
 
 
 def _module(subgraph):
@@ -105,9 +109,9 @@ def chain_from_arguments(subgraphs: dict, decisions: dict) -> ScoreChain:
     return ScoreChain(**decisions, **{name: _module(subgraph) for name, subgraph in subgraphs.items()})
 
 
-def output_shape(chain: ScoreChain, m, dv, groups: int = 1, output_batch=None) -> list:
-    """``[*output_batch, M, Dv]``, or ``[Z / groups, M, Dv]`` without ``output_batch``."""
-    batch = list(output_batch) if output_batch is not None else [math.prod(chain.batch_shape) // groups]
+def output_shape(batch_shape, m, dv, groups: int = 1, output_batch=None) -> list:
+    """``[*output_batch, M, Dv]``, or ``[Z / groups, M, Dv]`` (Z = prod(batch_shape)) without ``output_batch``."""
+    batch = list(output_batch) if output_batch is not None else [math.prod(batch_shape) // groups]
     return [*batch, m, dv]
 
 
@@ -145,10 +149,10 @@ def online_softmax_attention(q, kt, v, captured, sink, score_chain, decisions, g
     out = _times_values(chain, probabilities, v)
     z, m, dv = out.shape
     if group_coefficients is None:
-        return out.view(output_shape(chain, m, dv, 1, output_batch))
+        return out.view(output_shape(chain.batch_shape, m, dv, 1, output_batch))
     groups = group_coefficients.numel()
     weighted = out.view(z // groups, groups, m, dv).float() * group_coefficients.float().view(1, groups, 1, 1)
-    return weighted.sum(1).to(out.dtype).view(output_shape(chain, m, dv, groups, output_batch))
+    return weighted.sum(1).to(out.dtype).view(output_shape(chain.batch_shape, m, dv, groups, output_batch))
 
 
 def online_softmax_attention_with_pair_sum(q, kt, v, captured, sink, score_chain, decisions, pair_values, output_batch=None, sizes=()):
@@ -158,7 +162,7 @@ def online_softmax_attention_with_pair_sum(q, kt, v, captured, sink, score_chain
     out = _times_values(chain, probabilities, v)
     z, m, dv = out.shape
     pair = (probabilities.unsqueeze(-1).to(chain.pair_dtype) * pair_values).sum(-2)
-    return out.view(output_shape(chain, m, dv, 1, output_batch)), pair.reshape(z, m, pair_values.shape[-1])
+    return out.view(output_shape(chain.batch_shape, m, dv, 1, output_batch)), pair.reshape(z, m, pair_values.shape[-1])
 
 
 # The table of cell states of an additive mask (``fx_passes/block_sparsity.py``): the attention kernel skips tiles
@@ -226,16 +230,15 @@ def mask_cell_states_fake(captured, bias, decisions, sizes=()):
 
 
 def online_softmax_attention_fake(q, kt, v, captured, sink, score_chain, decisions, group_coefficients=None, output_batch=None, sizes=()):
-    chain = ScoreChain(graph_module=None, **decisions)
     groups = 1 if group_coefficients is None else group_coefficients.numel()
-    return q.new_empty(output_shape(chain, q.shape[-2], v.shape[-1], groups, output_batch), dtype=v.dtype)
+    shape = output_shape(decisions["batch_shape"], q.shape[-2], v.shape[-1], groups, output_batch)
+    return q.new_empty(shape, dtype=v.dtype)
 
 
 def online_softmax_attention_with_pair_sum_fake(q, kt, v, captured, sink, score_chain, decisions, pair_values, output_batch=None, sizes=()):
-    chain = ScoreChain(graph_module=None, **decisions)
-    z, m = math.prod(chain.batch_shape), q.shape[-2]
-    out = q.new_empty(output_shape(chain, m, v.shape[-1], 1, output_batch), dtype=v.dtype)
-    return out, q.new_empty(z, m, pair_values.shape[-1], dtype=chain.pair_dtype)
+    z, m = math.prod(decisions["batch_shape"]), q.shape[-2]
+    out = q.new_empty(output_shape(decisions["batch_shape"], m, v.shape[-1], 1, output_batch), dtype=v.dtype)
+    return out, q.new_empty(z, m, pair_values.shape[-1], dtype=decisions["pair_dtype"])
 
 
 # What the fusion pass computes a new node's fake value with, by the node's target.

@@ -38,12 +38,8 @@ def pytest_unconfigure(config):
         shutil.rmtree(root, ignore_errors=True)
 
 
-def full_tier(config) -> bool:
-    return config.getoption("--full") or os.environ.get("FLASHLIGHT_TEST_TIER") == "full"
-
-
 def pytest_collection_modifyitems(config, items):
-    if full_tier(config):
+    if config.getoption("--full"):
         return
     kept = [item for item in items if item.get_closest_marker("full") is None]
     deselected = [item for item in items if item.get_closest_marker("full") is not None]

@@ -53,8 +53,8 @@ def test_hf_model_attention_fuses_and_matches_eager(family, padded):
 
 def test_swin_shifted_window_attention_fuses_without_a_fault():
     """Hugging Face's Swin (eager attention, shifted windows): the shifted blocks add the position bias (a table
-    gathered per head) and the window mask (viewed over ``[B / nW, nW, H, W², W²]``) to the scores; the two meet
-    inside the score chain, where Inductor's broadcast must not realise their sum (a pointwise subgraph holds no
+    gathered per head) and the window mask (computed from positions in the graph) to the scores; the two meet inside
+    the score chain, where Inductor's broadcast must not realise the gathered bias (a pointwise subgraph holds no
     buffer: the lowering faulted and the whole graph fell back). Every window attention fuses, nothing falls back,
     no buffer holds a window's scores, and the output matches eager."""
     from transformers import SwinConfig, SwinModel

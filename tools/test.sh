@@ -6,8 +6,7 @@
 #   bash tools/test.sh test/test_demo.py -x     pytest arguments pass through (one file, -k, -x, ...)
 #
 # Tests run on every core, up to 4 (pytest-xdist; FLASHLIGHT_TEST_WORKERS overrides the count, 0 runs them in one
-# process, as --pdb needs), and
-# the slowest are listed at the end of every run, so that growth is visible.
+# process, as --pdb needs), and the slowest are listed at the end of every run, so that growth is visible.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 

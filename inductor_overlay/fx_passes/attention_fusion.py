@@ -171,14 +171,13 @@ def _speculated_guards(region: AttentionRegion) -> tuple[dict, float]:
 
 def _subgraphs(graph: torch.fx.Graph, modules: dict) -> dict:
     """The chain's GraphModules (by ScoreChain field; the id masks' pair as a tuple) as get_attr nodes."""
-    stems = {"graph_module": "score_chain", "unmasked_graph_module": "score_chain_unmasked",
-             "exact_graph_module": "score_chain_exact", "mask_table_module": "mask_table_chain"}
     nodes = {}
     for field, module in modules.items():
-        if field == "id_graph_modules":
-            nodes[field] = tuple(subgraph(graph, part, stem) for part, stem in zip(module, ("row_ids", "column_ids")))
+        name = ops.SUBGRAPH_NAMES[field]
+        if isinstance(name, tuple):
+            nodes[field] = tuple(subgraph(graph, part, stem) for part, stem in zip(module, name))
         else:
-            nodes[field] = subgraph(graph, module, stems[field])
+            nodes[field] = subgraph(graph, module, name)
     return nodes
 
 

@@ -21,7 +21,6 @@ from torch._inductor import ir
 from torch._inductor.lowering import empty_strided, lowerings, register_lowering
 from torch._inductor.select_algorithm import SymbolicGridFn, TritonTemplate, autotune_select_algorithm
 from torch._inductor.utils import expr_fits_within_32bit
-from torch._inductor.virtualized import V
 
 from inductor_overlay.kernel.online_softmax_attention import _deeper, _lower_score_chain, _size_for_chain
 from inductor_overlay import ops as fused_ops

@@ -24,7 +24,7 @@ import sympy
 import torch
 from torch._inductor import config as inductor_config
 from torch._inductor import ir
-from torch._inductor.lowering import empty_strided, lowerings, register_lowering
+from torch._inductor.lowering import empty_strided, register_lowering
 from torch._inductor.select_algorithm import (
     SymbolicGridFn,
     TritonTemplate,
@@ -946,12 +946,6 @@ def approximate_tanh(x: Any) -> Any:
     return ir.Pointwise.create(device=x.get_device(), dtype=x.get_dtype(), inner_fn=inner_fn, ranges=x.get_size())
 
 
-def _expand_per_tile(x: Any, sizes: Sequence[Any]) -> Any:
-    """``expand`` without upstream's reuse check, which realises an expensive input before broadcasting it: inside
-    the kernel the chain is computed per tile element anyway (DeBERTa's gather index, computed from positions)."""
-    return ir.TensorBox(ir.ExpandView.create(x.data, tuple(sizes)))
-
-
 def _computed_per_element(self: Any, users: int) -> None:
     """``StorageBox.mark_reuse`` inside the score chain: nothing is realised, the value is recomputed where read."""
 
@@ -989,11 +983,12 @@ def _lower_score_chain(
         graph_module,
         tanhs_of_16_bit_precision(graph_module, score_dtype) if fast_tanh else set(),
         root_graph_lowering=V.graph,
-        additional_lowerings={aten.sum.dim_IntList: _unrolled_sum, aten.expand.default: _expand_per_tile},
+        additional_lowerings={aten.sum.dim_IntList: _unrolled_sum},
     )
-    # Every value of the chain is computed per tile element: a broadcast inside it (``broadcast_tensors`` of an add
-    # of two captured tensors of different shapes, Swin's position bias plus its window mask) must not realise its
-    # input, as Inductor does for a value it expects to read many times; a pointwise subgraph cannot hold a buffer.
+    # Every value of the chain is computed per tile element: a broadcast inside it (an ``expand``, or the
+    # ``broadcast_tensors`` of an add of two values of different shapes: DeBERTa's gather index computed from
+    # positions, Swin's position bias plus its window mask) must not realise its input, as Inductor does for a value
+    # it expects to read many times; a pointwise subgraph cannot hold a buffer.
     with V.set_graph_handler(lowering), mock.patch.object(ir.StorageBox, "mark_reuse", _computed_per_element):
         lowering.run(score, *captured)
     outputs = lowering.graph_outputs
