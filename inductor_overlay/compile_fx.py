@@ -38,12 +38,15 @@ def _clone_graph_module(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
 def _post_grad_pass_config(overlay_on: bool) -> dict[str, Any]:
     from torch._inductor import config as inductor_config
 
-    from inductor_overlay.fx_passes.post_grad import FlashlightPostGradPass
+    from inductor_overlay.fx_passes.post_grad import FlashlightJointPass, FlashlightPostGradPass
 
-    user_pass = inductor_config.post_grad_custom_pre_pass
-    if isinstance(user_pass, FlashlightPostGradPass):
-        user_pass = user_pass.user_pass
-    return {"post_grad_custom_pre_pass": FlashlightPostGradPass(user_pass) if overlay_on else user_pass}
+    passes = {}
+    for seam, overlay_pass in (("post_grad_custom_pre_pass", FlashlightPostGradPass), ("joint_custom_post_pass", FlashlightJointPass)):
+        user_pass = getattr(inductor_config, seam)
+        if isinstance(user_pass, FlashlightPostGradPass):
+            user_pass = user_pass.user_pass
+        passes[seam] = overlay_pass(user_pass) if overlay_on else user_pass
+    return passes
 
 
 def contain_faults(inner_compile: Callable[..., Any]) -> Callable[..., Any]:

@@ -17,6 +17,8 @@ fault_containment: bool = os.environ.get("FLASHLIGHT_FAULT_CONTAINMENT", "1") !=
 
 # Technique 1-4 together: fuse softmax(chain(q @ kᵀ)) @ v into one online-softmax Triton kernel.
 attention_fusion: bool = os.environ.get("FLASHLIGHT_ATTENTION_FUSION", "1") != "0"
+# Training: attention whose inputs require grad gets a fused forward and a fused backward (fx_passes/attention_training.py).
+fused_backward: bool = os.environ.get("FLASHLIGHT_FUSED_BACKWARD", "1") != "0"
 
 # Tiles that the position mask leaves entirely visible run the chain without its mask (a loop of their own),
 # where that pays (see attention_fusion._worth_a_visible_loop).

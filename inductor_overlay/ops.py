@@ -247,3 +247,53 @@ FAKE_IMPLS = {
     online_softmax_attention_with_pair_sum: online_softmax_attention_with_pair_sum_fake,
     mask_cell_states_of: mask_cell_states_fake,
 }
+
+
+# Training. The forward saves, besides q, kᵀ and v, one float32 per row: the log-sum-exp of its logits in the kernel's
+# log2 units, ``lse = log2(Σ_N exp2(logits · log2(e)))`` (-inf for a row whose logits are all -inf). The backward
+# recomputes each score tile from it (P = exp2(logits · log2(e) − lse)) instead of reading saved probabilities.
+def _log2_sum_exp(chain: ScoreChain, q, kt, captured, sizes=()) -> torch.Tensor:
+    m, d, n = q.shape[-2], q.shape[-1], kt.shape[-1]
+    z = math.prod(chain.batch_shape)
+    scores = torch.bmm(q.reshape(z, m, d), kt.reshape(z, d, n)).view(*chain.batch_shape, m, n)
+    logits = chain.graph_module(scores, *captured, *sizes).float() * chain.folded_scale
+    return (torch.logsumexp(logits, -1) * (1.0 / math.log(2.0))).reshape(z, m)
+
+
+def online_softmax_attention_with_lse(q, kt, v, captured, score_chain, decisions, output_batch=None, sizes=()):
+    """The fused forward of a graph that trains: the output as ``online_softmax_attention``'s, and the rows'
+    log-sum-exp ``[Z, M]`` (float32, log2 units) that the backward reads."""
+    chain = chain_from_arguments(score_chain, decisions)
+    out = online_softmax_attention(q, kt, v, captured, None, score_chain, decisions, None, output_batch, sizes)
+    return out, _log2_sum_exp(chain, q, kt, captured, sizes)
+
+
+def online_softmax_attention_backward(q, kt, v, captured, score_chain, decisions, chain_vjp, lse, delta, dense, grad_out, sizes=()):
+    """The fused backward: the gradients of ``online_softmax_attention`` at ``grad_out`` ``[Z, M, Dv]`` with respect
+    to the operands as the scores and output matmuls read them: ``dq [Z, M, D]``, ``dkt [Z, D, N]``, ``dv [Z, N, Dv]``.
+    ``chain_vjp`` is the derivative of the chain, ``(scores, *captured, *sizes, grad_logits) -> grad_scores``;
+    ``lse`` the forward's, ``delta`` the rows' ``Σ_Dv grad_out · out`` (float32), ``dense`` per batch entry whether a
+    row is entirely masked (its backward visits every tile, as eager's gives NaN or 0 there). The kernel reads
+    those; run eagerly, the gradients come from autograd through the op's meaning, which needs none of them."""
+    z = math.prod(decisions["batch_shape"])
+    m, d, n, dv = q.shape[-2], q.shape[-1], kt.shape[-1], v.shape[-1]
+    operands = [t.detach().reshape(shape).requires_grad_() for t, shape in ((q, (z, m, d)), (kt, (z, d, n)), (v, (z, n, dv)))]
+    with torch.enable_grad():
+        out = online_softmax_attention(*operands, captured, None, score_chain, decisions, None, None, sizes)
+        grads = torch.autograd.grad(out, operands, grad_out.reshape(z, m, dv), allow_unused=True)
+    return tuple(torch.zeros_like(t) if g is None else g for t, g in zip(operands, grads))
+
+
+def online_softmax_attention_with_lse_fake(q, kt, v, captured, score_chain, decisions, output_batch=None, sizes=()):
+    out = online_softmax_attention_fake(q, kt, v, captured, None, score_chain, decisions, None, output_batch, sizes)
+    return out, q.new_empty(math.prod(decisions["batch_shape"]), q.shape[-2], dtype=torch.float32)
+
+
+def online_softmax_attention_backward_fake(q, kt, v, captured, score_chain, decisions, chain_vjp, lse, delta, dense, grad_out, sizes=()):
+    z = math.prod(decisions["batch_shape"])
+    m, d, n, dv = q.shape[-2], q.shape[-1], kt.shape[-1], v.shape[-1]
+    return q.new_empty(z, m, d), kt.new_empty(z, d, n), v.new_empty(z, n, dv)
+
+
+FAKE_IMPLS[online_softmax_attention_with_lse] = online_softmax_attention_with_lse_fake
+FAKE_IMPLS[online_softmax_attention_backward] = online_softmax_attention_backward_fake

@@ -160,11 +160,12 @@ def _worth_a_visible_loop(unmasked: torch.fx.GraphModule, region: AttentionRegio
     return scaling_only and (drops_mask_loads or head_dim <= config.visible_loop_max_head_dim)
 
 
-def _speculated_guards(region: AttentionRegion) -> tuple[dict, float]:
+def _speculated_guards(region: AttentionRegion, training: bool) -> tuple[dict, float]:
     """The finite guards the kernel runs without, speculating, and the bound on the row max that keeps it exact
     (``finite_speculation``): only for a softmax over the columns alone (no sink, no pair reduction), whose per-row
-    running state the check reads."""
-    if not (config.speculate_finite_scores and region.softmax and region.sink is None and region.pair is None):
+    running state the check reads, and not in training (the backward recomputes the chain tile by tile, exactly)."""
+    speculates = config.speculate_finite_scores and not training
+    if not (speculates and region.softmax and region.sink is None and region.pair is None):
         return {}, math.inf
     return speculation_bound(region.chain, region.logits, region.score_root, region.logit_scale)
 
@@ -196,15 +197,39 @@ def _folded_chains(
     return folds[0][0], folds[1][0] if unmasked is not None else None, folds[0][1]
 
 
-def fuse(region: AttentionRegion, group_coefficients: Optional[torch.fx.Node] = None) -> torch.fx.Node:
+class TrainingDeclined(Exception):
+    """Raised by ``fuse(..., training=True)`` before it changes the graph: the fused backward cannot take the
+    region."""
+
+
+@dataclasses.dataclass
+class TrainingForward:
+    """What ``fuse(..., training=True)`` inserted, which the fused backward reads too."""
+
+    result: torch.fx.Node  # the node that now stands for ``region.pv``
+    lse: torch.fx.Node  # the rows' log-sum-exp, [Z, M] float32
+    operands: tuple  # q, kt, v as the fused node reads them
+    subgraphs: dict  # the chain's subgraphs (get_attr nodes), by ScoreChain field
+    decisions: dict
+    chain: ScoreChain
+
+
+def fuse(
+    region: AttentionRegion, group_coefficients: Optional[torch.fx.Node] = None, training: bool = False
+) -> Any:
     """Replace the region by one fused node (with ``group_coefficients``, the node also combines each group of
-    consecutive heads; see ``ops.py``) and return the node that now stands for ``region.pv``."""
+    consecutive heads; see ``ops.py``) and return the node that now stands for ``region.pv``. In ``training`` the
+    node also returns the rows' log-sum-exp: the result is a :class:`TrainingForward`."""
     graph = region.pv.graph
     score_shape = _val(region.score_root).shape
     formula, mask_nodes, skippable, fills = None, [], None, frozenset()
     if region.softmax:
         fills = absorbing_fill_masks(region.chain, region.score_root, region.logits, region.logit_scale)
         formula, mask_nodes, skippable = position_masks(region.chain, fills)
+    guards, row_max_bound = _speculated_guards(region, training)
+    wide_logits = region.softmax and _logits_may_near_float_max(region, fills, guard_only_nodes(region.chain, guards))
+    if training and wide_logits:
+        raise TrainingDeclined("the logits may come near -FLT_MAX (a float tensor or a huge constant in the chain)")
     id_mask = _summarised_id_mask(region) if region.softmax and config.block_skipping else None
     summarise_tensors = region.softmax and config.block_skipping and config.mask_tensor_tables
     tensor_masks = matched_tensor_masks(region.chain, region.score_root) if summarise_tensors else []
@@ -223,7 +248,6 @@ def fuse(region: AttentionRegion, group_coefficients: Optional[torch.fx.Node] = 
     drops_mask_loads = (tensor_mask is not None and tensor_mask.alone) or additive_mask is not None
     droppable = [*mask_nodes, *([id_mask.where] if id_mask is not None and id_mask.alone else [])]
     droppable += [tensor_mask.where if tensor_mask else additive_mask.add] if drops_mask_loads else []
-    guards, row_max_bound = _speculated_guards(region)
     unmasked = None
     if droppable and config.split_visible_tiles:
         unmasked = _score_chain_module(region, frozenset(droppable), guards)
@@ -232,7 +256,6 @@ def fuse(region: AttentionRegion, group_coefficients: Optional[torch.fx.Node] = 
     chain_module, unmasked_module, folded_scale = _folded_chains(
         region, _score_chain_module(region, guards=guards), unmasked if visible_tile_code else None, fills
     )
-    wide_logits = region.softmax and _logits_may_near_float_max(region, fills, guard_only_nodes(region.chain, guards))
     exact_module, exact_scale = None, 1.0
     if guards:
         exact_module, _, exact_scale = _folded_chains(region, _score_chain_module(region), None, fills)
@@ -275,7 +298,12 @@ def fuse(region: AttentionRegion, group_coefficients: Optional[torch.fx.Node] = 
         subgraphs, decisions = ops.chain_arguments(chain)
         inputs = (q, kt, v, list(region.captured), sink, _subgraphs(graph, subgraphs), decisions)
         sizes = list(region.captured_sizes)
-        if region.pair is None:
+        if training:
+            assert region.pair is None and region.sink is None and group_coefficients is None
+            op = ops.online_softmax_attention_with_lse
+            both = call_op(graph, op, (q, kt, v, list(region.captured), inputs[5], decisions, output_batch, sizes))
+            fused, lse = (call_op(graph, operator.getitem, (both, i)) for i in (0, 1))
+        elif region.pair is None:
             op = ops.online_softmax_attention
             fused = call_op(graph, op, (*inputs, group_coefficients, output_batch, sizes))
         else:
@@ -290,6 +318,8 @@ def fuse(region: AttentionRegion, group_coefficients: Optional[torch.fx.Node] = 
         result = _as_matmul_output(graph, fused, _val(region.pv).dim(), output_batch)
     _reroute_size_reads(region)
     region.pv.replace_all_uses_with(result)
+    if training:
+        return TrainingForward(result, lse, (q, kt, v), inputs[5], decisions, chain)
     return result
 
 

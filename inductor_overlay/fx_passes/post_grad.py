@@ -19,12 +19,13 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from inductor_overlay import __version__, config
 from inductor_overlay.fx_passes.attention_fusion import fuse_attention
+from inductor_overlay.fx_passes.attention_training import fuse_attention_for_training
 from inductor_overlay.fx_passes.distance_tables import tabulate_distance_functions
 from inductor_overlay.fx_passes.head_combination import distribute_matmul_over_head_combinations
 from inductor_overlay.fx_passes.pair_matmul import rewrite_pair_matmuls
 from inductor_overlay.fx_passes.scaled_matmuls import split_baddbmm_scores
 from inductor_overlay.fx_passes.score_views import move_batch_views_off_score_chains
-from inductor_overlay.kernel import mask_cell_states, online_softmax_attention  # noqa: F401  (register the ops' lowerings)
+from inductor_overlay.kernel import attention_backward, mask_cell_states, online_softmax_attention  # noqa: F401  (register the ops' lowerings)
 from inductor_overlay.state import overlay_active
 
 GraphPass = Callable[[torch.fx.Graph], None]
@@ -44,13 +45,19 @@ POST_GRAD_PASSES: list[GraphPass] = [
 def overlay_source_hash() -> str:
     root = pathlib.Path(__file__).resolve().parents[1]
     digest = hashlib.sha256()
-    for path in sorted(root.rglob("*.py")):
+    for path in sorted([*root.rglob("*.py"), *root.rglob("*.jinja")]):
         digest.update(path.relative_to(root).as_posix().encode())
         digest.update(path.read_bytes())
     return digest.hexdigest()
 
 
+# Passes run in this order on every joint forward+backward graph (training), after upstream's joint passes.
+JOINT_PASSES: list[GraphPass] = [fuse_attention_for_training]
+
+
 class FlashlightPostGradPass(CustomGraphPass):
+    passes = POST_GRAD_PASSES
+
     def __init__(self, user_pass: Optional[CustomGraphPass] = None) -> None:
         self.user_pass = user_pass
 
@@ -59,10 +66,20 @@ class FlashlightPostGradPass(CustomGraphPass):
             self.user_pass(graph)
         if not overlay_active():
             return
-        for graph_pass in POST_GRAD_PASSES:
+        for graph_pass in self.passes:
             graph_pass(graph)
 
     def uuid(self) -> Any:
         user_uuid = self.user_pass.uuid() if self.user_pass is not None else None
         settings = repr(sorted(config.get_config_copy().items()))
         return ("flashlight", __version__, overlay_source_hash(), settings, user_uuid)
+
+
+class FlashlightJointPass(FlashlightPostGradPass):
+    """The overlay's joint-graph pass, installed through Inductor's ``joint_custom_post_pass`` seam: the user's own
+    pass first, as for the post-grad one."""
+
+    passes = JOINT_PASSES
+
+    def uuid(self) -> Any:
+        return ("joint", *super().uuid())

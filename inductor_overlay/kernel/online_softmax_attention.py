@@ -219,6 +219,11 @@ RUNNING_MAX_AND_P_WIDE = """m_new = tl.maximum(m_i, tl.max(logits, 1))  # in the
 SOFTMAX_FINISH = """# Normalise once, after the loop (a row whose logits were all -inf gives 0/0 = NaN, as eager does).
     acc = acc / l_i[:, None]"""
 
+# Training: the rows' log-sum-exp in log2 units, m + log2(l), saved for the backward (-inf + -inf = -inf for a row
+# whose logits were all -inf).
+LSE_STORE = """
+    tl.store(LSE + out_z * {{stride("LSE", 0)}} + offs_m * {{stride("LSE", 1)}}, m_i + tl.log2(l_i), mask=offs_m < M)"""
+
 # Speculation (fx_passes/finite_speculation.py): the loops ran a chain without its guards against NaN and infinity.
 ROW_MET_NO_GUARD = """~((l_i > 0.0) & (l_i < float("inf")) & (tl.abs(m_i) < SPECULATION_MAX_BOUND))"""
 
@@ -571,6 +576,7 @@ def online_softmax_attention_template(
     wide_logits: bool = False,
     exact_subgraph: Optional[int] = None,
     shared_v: bool = False,
+    stores_lse: bool = False,
 ) -> TritonTemplate:
     """The kernel template for operands with the given numbers of batch dims (q, kᵀ, v and, if there is a fourth,
     the sink), position mask (tests for entirely masked and entirely visible tiles), normalisation (softmax, or
@@ -579,7 +585,8 @@ def online_softmax_attention_template(
     its row and column ids, or None), mask tensor (the subgraph of its cell states, or None) and whether logits
     may come near -FLT_MAX (``RUNNING_MAX_AND_P_WIDE``), and the subgraph of the whole chain when the loops run
     it without its finite guards (``SPECULATION_CHECK``), or None; ``shared_v``: the heads of a group share one
-    pass (``SHARED_V_INTRO``; a softmax with no sink, pair reduction, id mask or mask table)."""
+    pass (``SHARED_V_INTRO``; a softmax with no sink, pair reduction, id mask or mask table); ``stores_lse``: the
+    kernel also writes the rows' log-sum-exp (``LSE_STORE``, training; one head, a softmax in the log2 domain)."""
     names = ["Q", "KT", "V", "SINK"][: len(batch_ranks)] + (["COEF"] if groups > 1 else [])
     names += ["PARTIAL"] if groups > 1 and not shared_v else []
     if not softmax:
@@ -591,6 +598,10 @@ def online_softmax_attention_template(
         batch_ranks = (*batch_ranks, pair_rank)
         state, finish = state + PAIR_STATE, finish + PAIR_FINISH
         accumulate = accumulate.replace("# acc = alpha * acc + P V", PAIR_ACCUMULATE + "# acc = alpha * acc + P V")
+    if stores_lse:
+        assert softmax and groups == 1 and pair_rank is None and not wide_logits and exact_subgraph is None
+        names += ["LSE"]
+        finish = LSE_STORE + "\n    " + finish
     tile_range = _tile_range(masked_tile_code, visible_tile_code, id_subgraphs, table_subgraph)
     loops = ONE_LOOP if visible_tile_code is None else SPLIT_LOOPS
     heads_in_turn = groups > 1 and not shared_v
@@ -1012,6 +1023,12 @@ def online_softmax_attention_lowering(q, kt, v, captured, sink, score_chain, dec
     return _lower_attention(q, kt, v, captured, sink, chain, group_coefficients, output_batch=output_batch, sizes=sizes)
 
 
+@register_lowering(fused_ops.online_softmax_attention_with_lse, type_promotion_kind=None)
+def online_softmax_attention_with_lse_lowering(q, kt, v, captured, score_chain, decisions, output_batch=None, sizes=()):
+    chain = fused_ops.chain_from_arguments(score_chain, decisions)
+    return _lower_attention(q, kt, v, captured, None, chain, output_batch=output_batch, sizes=sizes, stores_lse=True)
+
+
 @register_lowering(fused_ops.online_softmax_attention_with_pair_sum, type_promotion_kind=None)
 def online_softmax_attention_with_pair_sum_lowering(q, kt, v, captured, sink, score_chain, decisions, pair_values, output_batch=None, sizes=()):
     chain = fused_ops.chain_from_arguments(score_chain, decisions)
@@ -1049,7 +1066,7 @@ def _with_fixed_layout(tensor: Any) -> Any:
         return ir.TensorBox(ir.ExternKernel.realize_input(tensor))
 
 
-def _lower_attention(q, kt, v, captured, sink, chain, group_coefficients=None, pair_values=None, output_batch=None, sizes=()):
+def _lower_attention(q, kt, v, captured, sink, chain, group_coefficients=None, pair_values=None, output_batch=None, sizes=(), stores_lse=False):
     device = q.get_device()
     captured = [_with_fixed_layout(tensor) for tensor in captured]
     m, d = q.get_size()[-2:]
@@ -1106,6 +1123,9 @@ def _lower_attention(q, kt, v, captured, sink, chain, group_coefficients=None, p
         pair_rank = len(pair_values.get_size()) - 3
         pair_out = empty_strided([z, m, channels], None, dtype=chain.pair_dtype, device=device)
         operands += [ir.ExternKernel.realize_input(pair_values), pair_out]
+    lse = empty_strided([z, m], None, dtype=torch.float32, device=device) if stores_lse else None
+    if lse is not None:
+        operands.append(lse)
     for tensor in operands:
         tensor.freeze_layout()
     q, kt, v = operands[:3]
@@ -1120,7 +1140,7 @@ def _lower_attention(q, kt, v, captured, sink, chain, group_coefficients=None, p
     template_key = (
         ranks, chain.masked_tile_code, chain.softmax, groups, chain.visible_tile_code if visible_loop else None, pair_rank,
         tuple(output_batch) if output_batch is not None else (0,), id_subgraphs, table_subgraph, chain.wide_logits,
-        exact_subgraph, shared_v,
+        exact_subgraph, shared_v, stores_lse,
     )
     logit_scale, sink_scale = LOG2E * chain.folded_scale, chain.sink_scale * LOG2E
     tiny_logit_scale = _power_of_two_below(logit_scale)
@@ -1141,7 +1161,7 @@ def _lower_attention(q, kt, v, captured, sink, chain, group_coefficients=None, p
             input_nodes=operands,
             layout=layout,
             subgraphs=subgraphs,
-            mutated_inputs=[t for t in (partial, pair_out) if t is not None] or None,
+            mutated_inputs=[t for t in (partial, pair_out, lse) if t is not None] or None,
             call_sizes=[z, m, n],
             D=d,
             DV=dv,
@@ -1182,4 +1202,6 @@ def _lower_attention(q, kt, v, captured, sink, chain, group_coefficients=None, p
     # it gets a causal-shaped table instead, the common mask passed in.
     input_gen_fns = {len(inputs) - 1: _causal_shaped_table} if chain.mask_table_module is not None else None
     out = autotune_select_algorithm("flashlight_attention", choices, inputs, layout, input_gen_fns=input_gen_fns)
+    if lse is not None:
+        return out, lse
     return out if pair_out is None else (out, pair_out)

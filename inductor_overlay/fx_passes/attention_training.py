@@ -1,0 +1,241 @@
+"""Training: attention in a joint forward+backward graph becomes a fused forward and a fused backward.
+
+AOTAutograd differentiates the user's program before Inductor's post-grad passes run, so a graph that trains holds
+the attention twice: its forward ops, and the backward ops autograd derived from them, which read the saved
+probabilities (an M×N tensor). This joint-graph pass takes both. The rule: a forward region the attention pass can
+fuse (``attention_region.find_attention``) is replaced in training exactly when its backward is recognisably its
+own:
+
+1. autograd gives each backward node the ``seq_nr`` of the forward op it differentiates; the backward nodes
+   carrying the seq_nr of one of the region's ops are the region's backward (``R_bwd``);
+2. the region's values are used only by the region and R_bwd (nothing else needs the probabilities);
+3. R_bwd reads exactly one gradient, shaped as the region's output: the gradient of its output;
+4. every value R_bwd hands to the rest of the graph is the gradient of one of the operands of the two matmuls
+   (q, kᵀ, v): it is read only by the backward of that operand's producer (the producer's seq_nr), or it is the
+   graph's output for an input's gradient. So the chain's other inputs (bias, masks, positions) need no gradient.
+
+The region then becomes ``online_softmax_attention_with_lse`` (the forward, which also saves the rows'
+log-sum-exp) and R_bwd ``online_softmax_attention_backward``; the chain's derivative is the joint graph of the
+chain itself (``chain_vjp_module``), traced by autograd as the user's program was. A region outside the rule
+(a bias that needs its gradient, a sink, a pair reduction, logits near -FLT_MAX, a dynamic shape) is left to
+upstream, with the reason in the log (``TORCH_LOGS=flashlight``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import operator
+from typing import Optional, Union
+
+import torch
+from torch._dynamo.utils import counters
+
+from inductor_overlay import config, ops
+from inductor_overlay.fx_passes.attention_fusion import TrainingDeclined, TrainingForward, fuse
+from inductor_overlay.fx_passes.attention_region import AttentionRegion, Decline, _looks_like_softmax_input, find_attention
+from inductor_overlay.fx_passes.block_sparsity import is_op as _is
+from inductor_overlay.fx_passes.fx_helpers import _MATMULS, _val, aten, call_op, prims, subgraph
+
+log = logging.getLogger("flashlight.attention_fusion")
+
+
+def _backward(node: torch.fx.Node) -> bool:
+    return node.meta.get("partitioner_tag") == "is_backward" or (
+        node.op == "placeholder" and node.name.startswith("tangents")
+    )
+
+
+def _seq(node: torch.fx.Node) -> Optional[int]:
+    return node.meta.get("seq_nr")
+
+
+def trains(graph: torch.fx.Graph) -> bool:
+    """Whether ``graph`` is a joint forward+backward graph (it has gradient inputs)."""
+    return any(node.op == "placeholder" and node.name.startswith("tangents") for node in graph.nodes)
+
+
+@dataclasses.dataclass
+class RegionBackward:
+    nodes: set  # R_bwd
+    grad_out: torch.fx.Node  # the gradient of the region's output
+    grads: dict  # R_bwd's output node -> index of the operand (0 q, 1 kt, 2 v) it is the gradient of
+
+
+def _operands(region: AttentionRegion) -> list[torch.fx.Node]:
+    return [region.qk.args[0], region.qk.args[1], region.pv.args[1]]
+
+
+def _gradient_slot(operand: torch.fx.Node, output: torch.fx.Node) -> Optional[int]:
+    """The index in the joint graph's outputs of the gradient of input ``operand`` (outputs: the forward's, then
+    one gradient per primal input)."""
+    primals = [n for n in operand.graph.find_nodes(op="placeholder") if n.name.startswith("primals")]
+    if operand not in primals:
+        return None
+    return len(output.args[0]) - len(primals) + primals.index(operand)
+
+
+def _operand_of(value: torch.fx.Node, operands: list[torch.fx.Node]) -> Union[int, Decline]:
+    """Rule 4: which operand ``value`` (a node R_bwd hands out) is the gradient of."""
+    users = list(value.users)
+    for index, operand in enumerate(operands):
+        if tuple(_val(value).shape) != tuple(_val(operand).shape):
+            continue
+        if operand.op == "placeholder":
+            slot = _gradient_slot(operand, users[0]) if users[0].op == "output" else None
+            if len(users) == 1 and slot is not None and users[0].args[0][slot] is value:
+                return index
+        elif _seq(operand) is not None and all(_backward(u) and _seq(u) == _seq(operand) for u in users):
+            return index
+    return Decline(f"`{value.name}` leaves the attention's backward but is not an operand's gradient (rule 4)")
+
+
+def match_backward(region: AttentionRegion) -> Union[Decline, RegionBackward]:
+    """Rules 1–4 of the module doc for a region found in a joint graph."""
+    forward = region.internal | {region.pv}
+    sequence = {_seq(node) for node in forward}
+    if None in sequence:
+        return Decline("an op of the attention carries no autograd sequence number")
+    operands = _operands(region)
+    if any(_seq(operand) in sequence for operand in operands) or len(set(operands)) < 3:
+        return Decline("an operand of the matmuls comes from the attention's own ops")
+    graph = region.pv.graph
+    backward = {n for n in graph.nodes if n.op == "call_function" and _backward(n) and _seq(n) in sequence}
+    if not backward:
+        return Decline("the attention's backward was not found")
+    # Forward nodes of the region's ops that only its backward reads (an alias of the saved probabilities).
+    saved = {n for n in graph.nodes if not _backward(n) and _seq(n) in sequence and n not in forward}
+    saved = {n for n in saved if all(u in backward or u in saved for u in n.users)}
+    for node in forward - {region.pv}:
+        outside = [u for u in node.users if u not in forward and u not in backward and u not in saved]
+        if outside and not all(_is(u, aten.sym_size.int) for u in outside):
+            return Decline(f"`{node.name}` is used outside the attention and its backward (rule 2)")
+    gradients = {
+        arg for node in backward for arg in node.all_input_nodes if arg not in backward and _backward(arg)
+    }
+    pv_shape = tuple(_val(region.pv).shape)
+    if len(gradients) != 1 or tuple(_val(next(iter(gradients))).shape) != pv_shape:
+        return Decline(f"the attention's backward reads {len(gradients)} gradients, not its output's alone (rule 3)")
+    grads = {}
+    for node in backward:
+        if all(u in backward for u in node.users):
+            continue
+        index = _operand_of(node, operands) if _val(node) is not None else Decline(f"`{node.name}` has no value")
+        if isinstance(index, Decline):
+            return index
+        if index in grads.values():
+            return Decline(f"two values of the attention's backward are the gradient of operand {index} (rule 4)")
+        grads[node] = index
+    return RegionBackward(backward, next(iter(gradients)), grads)
+
+
+def _declines_training(region: AttentionRegion) -> Optional[str]:
+    if not region.softmax or region.sink is not None or region.pair is not None:
+        return "only a softmax over the columns alone trains fused (no sink, no pair reduction, no sigmoid)"
+    if region.operand_scale != 1.0:
+        return "a constant scale on q or k is taken into the chain"
+    shapes = [_val(region.score_root).shape, *(_val(op).shape for op in _operands(region))]
+    if not all(isinstance(size, int) for shape in shapes for size in shape) or region.captured_sizes:
+        return "a dynamic shape"
+    if _val(region.qk).shape[-1] == 0:
+        return "no columns"
+    return None
+
+
+def chain_vjp_module(chain: torch.fx.GraphModule, example_inputs: list) -> torch.fx.GraphModule:
+    """The chain's derivative, ``(scores, *captured, *sizes, grad_logits) -> grad_scores``: autograd's joint graph of
+    the chain, traced with Inductor's decompositions (a ``where`` mask passes the gradient where it keeps the score
+    and 0 elsewhere; a tanh soft-cap multiplies by 1 - tanh²)."""
+    from torch._inductor.decomposition import select_decomp_table
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    def joint(scores, *rest):
+        *inputs, grad_logits = rest
+        with torch.enable_grad():
+            logits = chain(scores, *inputs)
+            (grad_scores,) = torch.autograd.grad(logits, scores, grad_logits, allow_unused=True)
+        if grad_scores is None:
+            return torch.zeros_like(scores)
+        return grad_scores
+
+    scores, *captured = example_inputs
+    fake_mode = torch._guards.detect_fake_mode([scores])
+    with fake_mode:
+        scores = torch.empty_strided(scores.shape, scores.stride(), dtype=scores.dtype, device=scores.device)
+        logits = chain(scores, *captured)
+        grad = torch.empty_like(logits, memory_format=torch.contiguous_format)
+        scores.requires_grad_(True)
+        traced = make_fx(joint, decomposition_table=select_decomp_table())(scores, *captured, grad)
+    for node in traced.graph.find_nodes(op="placeholder"):
+        node.meta.pop("val", None)
+        node.meta.pop("tensor_meta", None)
+    return traced
+
+
+def _insert_backward(region: AttentionRegion, matched: RegionBackward, fwd: TrainingForward) -> None:
+    """``online_softmax_attention_backward`` after the output's gradient, standing for R_bwd's outputs."""
+    graph = region.pv.graph
+    score_shape = list(_val(region.score_root).shape)
+    z, m, dv = math.prod(score_shape[:-2]) if len(score_shape) > 2 else 1, score_shape[-2], _val(region.pv).shape[-1]
+    example = [_val(region.score_root), *(_val(c) for c in region.captured)]
+    vjp = chain_vjp_module(fwd.chain.graph_module, example[: 1 + len(region.captured)])
+    position = {n: i for i, n in enumerate(graph.nodes)}
+    anchor = matched.grad_out if position[matched.grad_out] > position[fwd.lse] else fwd.lse
+    with graph.inserting_before(anchor.next):
+        grad_out = call_op(graph, aten.view.default, (matched.grad_out, [z, m, dv]))
+        out = call_op(graph, aten.view.default, (fwd.result, [z, m, dv]))
+        products = call_op(graph, aten.mul.Tensor, (
+            call_op(graph, prims.convert_element_type.default, (grad_out, torch.float32)),
+            call_op(graph, prims.convert_element_type.default, (out, torch.float32)),
+        ))
+        delta = call_op(graph, aten.sum.dim_IntList, (products, [-1]))
+        row_floor = call_op(graph, aten.amin.default, (fwd.lse, [-1]))
+        dense = call_op(graph, aten.eq.Scalar, (row_floor, -math.inf))
+        vjp_node = subgraph(graph, vjp, "score_chain_vjp")
+        q, kt, v = fwd.operands
+        both = call_op(graph, ops.online_softmax_attention_backward, (
+            q, kt, v, list(region.captured), fwd.subgraphs, fwd.decisions, vjp_node, fwd.lse, delta, dense, grad_out,
+            list(region.captured_sizes),
+        ))
+        grads = [call_op(graph, operator.getitem, (both, i)) for i in range(3)]
+        operands = _operands(region)
+        for value, index in matched.grads.items():
+            shape = list(_val(operands[index]).shape)
+            grad = grads[index]
+            if list(_val(grad).shape) != shape:
+                grad = call_op(graph, aten.view.default, (grad, shape))
+            value.replace_all_uses_with(grad)
+
+
+def fuse_attention_for_training(graph: torch.fx.Graph) -> None:
+    """Joint-graph pass: each fusable attention whose backward matches (module doc) becomes the fused forward and
+    backward pair."""
+    if not (config.attention_fusion and config.fused_backward and trains(graph)):
+        return
+    backward = frozenset(n for n in graph.nodes if _backward(n))
+    changed = False
+    for pv in [n for n in graph.nodes if _is(n, _MATMULS) and not _backward(n)]:
+        if pv.graph is not graph or _val(pv.args[0]) is None or not _looks_like_softmax_input(pv):
+            continue
+        region = find_attention(pv, dead=backward)
+        reason = region.reason if isinstance(region, Decline) else _declines_training(region)
+        matched = match_backward(region) if reason is None else None
+        if isinstance(matched, Decline):
+            reason = matched.reason
+        if reason is None:
+            try:
+                fwd = fuse(region, training=True)
+            except TrainingDeclined as declined:
+                reason = str(declined)
+        if reason is not None:
+            counters["inductor"]["flashlight_training_declined"] += 1
+            log.info("attention not fused for training at %s: %s", pv.name, reason)
+            continue
+        _insert_backward(region, matched, fwd)
+        changed = True
+        counters["inductor"]["flashlight_attention_fused_for_training"] += 1
+        log.info("attention fused for training at %s: scores %s", pv.name, tuple(_val(region.score_root).shape))
+    if changed:
+        graph.eliminate_dead_code()
+        graph.lint()

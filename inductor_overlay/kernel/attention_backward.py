@@ -1,0 +1,152 @@
+"""Lowering of ``ops.online_softmax_attention_backward`` to one FlashAttention-2-style Triton kernel.
+
+The kernel (``templates/attention_backward.py.jinja``) recomputes each score tile from q, kᵀ and the forward's row
+log-sum-exp, runs the user's chain on it (the forward's own subgraph) and the chain's derivative (its joint graph,
+``fx_passes/attention_training.chain_vjp_module``), and accumulates dKᵀ and dV per column tile and dQ per row tile
+in separate programs of one launch. Tiles the position mask leaves entirely masked are skipped as in the forward,
+by the same test (``ScoreChain.masked_tile_code``), in both directions.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import pathlib
+from typing import Any, Optional
+
+import jinja2
+import sympy
+import torch
+from torch._inductor import ir
+from torch._inductor.lowering import empty_strided, register_lowering
+from torch._inductor.select_algorithm import SymbolicGridFn, TritonTemplate, autotune_select_algorithm
+from torch._inductor.utils import expr_fits_within_32bit
+from torch._inductor.virtualized import V
+
+from inductor_overlay import ops as fused_ops
+from inductor_overlay.kernel.online_softmax_attention import (
+    LOG2E,
+    _autotuned,
+    _batch_offset,
+    _divides,
+    _interpreting,
+    _lower_score_chain,
+    _size_for_chain,
+    _tile,
+    _with_fixed_layout,
+    approximates_tanh,
+)
+
+_TEMPLATES = pathlib.Path(__file__).parent / "templates"
+# The structural stage of a template: its own delimiters, so that Inductor's {{ }} pass through untouched.
+_STRUCTURE = jinja2.Environment(
+    loader=jinja2.FileSystemLoader(_TEMPLATES),
+    block_start_string="[%",
+    block_end_string="%]",
+    variable_start_string="[[",
+    variable_end_string="]]",
+    comment_start_string="{#",
+    comment_end_string="#}",
+    keep_trailing_newline=True,
+    undefined=jinja2.StrictUndefined,
+)
+
+
+@SymbolicGridFn
+def _grid(z, m, n, meta, *, cdiv):
+    return (cdiv(n, meta["BLOCK_N1"]) + cdiv(m, meta["BLOCK_M2"]), z, 1)
+
+
+@functools.lru_cache(maxsize=None)
+def backward_template(batch_ranks: tuple[int, int, int], masked_tile_code: Optional[str]) -> TritonTemplate:
+    """The backward kernel for operands with the given numbers of batch dims (q, kᵀ, v) and position-mask test."""
+    offsets = {f"{name.lower()}_offset": _batch_offset(name, rank) for name, rank in zip(("Q", "KT", "V"), batch_ranks)}
+    source = _STRUCTURE.get_template("attention_backward.py.jinja").render(masked_tile=masked_tile_code, **offsets)
+    digest = hashlib.sha256(source.encode()).hexdigest()[:10]
+    return TritonTemplate(name=f"flashlight_attention_backward_{digest}", grid=_grid, source=source)
+
+
+def backward_configs(d: int, dv: int, device: torch.device) -> list[dict[str, int]]:
+    """(BLOCK_M1, BLOCK_N1): the row tiles a column program steps through and its column tile; (BLOCK_M2,
+    BLOCK_N2): a row program's row tile and the column tiles it steps through; warps and stages."""
+    if device.type != "cuda" or _interpreting():
+        return [dict(BLOCK_M1=16, BLOCK_N1=16, BLOCK_M2=16, BLOCK_N2=16, num_warps=4, num_stages=1)]
+    if max(d, dv) <= 64:
+        shapes = [(32, 128, 128, 32, 4, 3), (64, 64, 64, 64, 4, 3), (64, 128, 128, 64, 8, 3)]
+    elif max(d, dv) <= 128:
+        shapes = [(64, 64, 64, 64, 4, 2), (32, 128, 128, 32, 8, 2), (64, 128, 128, 64, 8, 2)]
+    else:
+        shapes = [(32, 64, 64, 32, 4, 1), (16, 64, 64, 16, 4, 1)]
+    return [
+        dict(BLOCK_M1=m1, BLOCK_N1=n1, BLOCK_M2=m2, BLOCK_N2=n2, num_warps=w, num_stages=s)
+        for m1, n1, m2, n2, w, s in shapes
+    ]
+
+
+@register_lowering(fused_ops.online_softmax_attention_backward, type_promotion_kind=None)
+def online_softmax_attention_backward_lowering(
+    q, kt, v, captured, score_chain, decisions, chain_vjp, lse, delta, dense, grad_out, sizes=()
+):
+    chain = fused_ops.chain_from_arguments(score_chain, decisions)
+    device = q.get_device()
+    captured = [_with_fixed_layout(tensor) for tensor in captured]
+    m, d = q.get_size()[-2:]
+    n, dv = kt.get_size()[-1], v.get_size()[-1]
+    batch_shape = [size.node.expr if isinstance(size, torch.SymInt) else size for size in chain.batch_shape]
+    z = sympy.Mul(*batch_shape)
+    score_size = [*batch_shape, m, n]
+    chain_inputs = [*captured, *(_size_for_chain(size, score_size) for size in sizes)]
+    fast_tanh = approximates_tanh(device)
+    logits = _lower_score_chain(chain.graph_module, chain.score_dtype, score_size, device, chain_inputs, fast_tanh)
+    # The derivative reads the gradient of the logits as one more tile-shaped input, after the chain's own.
+    vjp_module = fused_ops._module(chain_vjp)
+    grad_logits = ir.TensorBox.create(
+        ir.InputBuffer(
+            name="grad",
+            layout=ir.FixedLayout(device, logits.get_dtype(), score_size, ir.FlexibleLayout.contiguous_strides(score_size)),
+        )
+    )
+    grad_scores = _lower_score_chain(
+        vjp_module, chain.score_dtype, score_size, device, [*chain_inputs, grad_logits], fast_tanh
+    )
+    operands = [ir.ExternKernel.realize_input(t) for t in (q, kt, v)]
+    ranks = tuple(len(t.get_size()) - 2 for t in operands)
+    operands += [ir.ExternKernel.realize_input(t) for t in (lse, delta, dense, grad_out)]
+    d, dv = V.graph.sizevars.guard_int(d), V.graph.sizevars.guard_int(dv)
+    dkt = empty_strided([z, d, n], None, dtype=kt.get_dtype(), device=device)
+    dv_out = empty_strided([z, n, dv], None, dtype=v.get_dtype(), device=device)
+    operands += [dkt, dv_out]
+    for tensor in operands:
+        tensor.freeze_layout()
+    dq_size = [z, m, d]
+    layout = ir.FixedLayout(device, q.get_dtype(), dq_size, ir.FlexibleLayout.contiguous_strides(dq_size))
+    fp32_dot = q.get_dtype() == torch.float32
+    wide = not all(expr_fits_within_32bit(t.get_layout().storage_size()) for t in [*operands, *captured])
+    template = backward_template(ranks, chain.masked_tile_code)
+    choices: list[Any] = []
+    for config in _autotuned(backward_configs(d, dv, device)):
+        error = template.maybe_append_choice(
+            choices,
+            input_nodes=operands,
+            layout=layout,
+            subgraphs=[logits, grad_scores],
+            mutated_inputs=[dkt, dv_out],
+            call_sizes=[z, m, n],
+            D=d,
+            DV=dv,
+            D_TILE=_tile(d),
+            DV_TILE=_tile(dv),
+            LOGIT_SCALE=LOG2E * chain.folded_scale,
+            FOLDED_SCALE=chain.folded_scale,
+            SCAN_TILES=16,
+            POSITION_DTYPE="tl.int64" if wide else "tl.int32",
+            DOT_PRECISION="'tf32'" if fp32_dot and torch.backends.cuda.matmul.allow_tf32 else "'ieee'",
+            UPCAST_DOT_OPERANDS=_interpreting(),
+            PROBABILITY_DTYPE=f"tl.{str(chain.probability_dtype).removeprefix('torch.')}",
+            **config,
+        )
+        if error is not None:
+            raise error
+    inputs = [*operands, *captured]
+    dq = autotune_select_algorithm("flashlight_attention_backward", choices, inputs, layout)
+    return dq, dkt, dv_out
