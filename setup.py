@@ -8,6 +8,8 @@ setup(
     description="Fuses attention written in plain PyTorch into one online-softmax Triton kernel under torch.compile",
     python_requires=">=3.10",
     packages=find_packages(include=["flashlight*", "inductor_overlay*", "torch_patches*"]),
+    # Kernel templates (rendered by inductor_overlay/kernel/*.py).
+    package_data={"inductor_overlay.kernel": ["templates/*.jinja"]},
     install_requires=[
         "torch==2.11.0",
         # Triton 3.6's interpreter (the CPU test path) needs NumPy 1.x for looped reductions.

@@ -209,6 +209,7 @@ class TrainingForward:
     result: torch.fx.Node  # the node that now stands for ``region.pv``
     lse: torch.fx.Node  # the rows' log-sum-exp, [Z, M] float32
     operands: tuple  # q, kt, v as the fused node reads them
+    captured: list  # the tensors the chain reads (with the mask table, when there is one)
     subgraphs: dict  # the chain's subgraphs (get_attr nodes), by ScoreChain field
     decisions: dict
     chain: ScoreChain
@@ -319,7 +320,7 @@ def fuse(
     _reroute_size_reads(region)
     region.pv.replace_all_uses_with(result)
     if training:
-        return TrainingForward(result, lse, (q, kt, v), inputs[5], decisions, chain)
+        return TrainingForward(result, lse, (q, kt, v), list(region.captured), inputs[5], decisions, chain)
     return result
 
 

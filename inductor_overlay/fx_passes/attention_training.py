@@ -91,17 +91,35 @@ def _operand_of(value: torch.fx.Node, operands: list[torch.fx.Node]) -> Union[in
     return Decline(f"`{value.name}` leaves the attention's backward but is not an operand's gradient (rule 4)")
 
 
+def _convex(nodes: set) -> set:
+    """``nodes`` with every backward node between two of them (the backward of an op a joint-graph pattern replaced
+    in the forward, which lost its number there: a softmax's scale)."""
+    after, frontier = set(), list(nodes)
+    while frontier:
+        for user in frontier.pop().users:
+            if user not in after:
+                after.add(user)
+                frontier.append(user)
+    before, frontier = set(), list(nodes)
+    while frontier:
+        for arg in frontier.pop().all_input_nodes:
+            if arg not in before:
+                before.add(arg)
+                frontier.append(arg)
+    return nodes | {n for n in after & before if n.op == "call_function" and _backward(n)}
+
+
 def match_backward(region: AttentionRegion) -> Union[Decline, RegionBackward]:
     """Rules 1–4 of the module doc for a region found in a joint graph."""
     forward = region.internal | {region.pv}
-    sequence = {_seq(node) for node in forward}
-    if None in sequence:
-        return Decline("an op of the attention carries no autograd sequence number")
+    # (Nodes upstream's joint-graph patterns put in place of the user's carry none; their backward kept the
+    # numbers of the ops they replaced, found through the region's other nodes, or rule 2 declines.)
+    sequence = {_seq(node) for node in forward} - {None}
     operands = _operands(region)
     if any(_seq(operand) in sequence for operand in operands) or len(set(operands)) < 3:
         return Decline("an operand of the matmuls comes from the attention's own ops")
     graph = region.pv.graph
-    backward = {n for n in graph.nodes if n.op == "call_function" and _backward(n) and _seq(n) in sequence}
+    backward = _convex({n for n in graph.nodes if n.op == "call_function" and _backward(n) and _seq(n) in sequence})
     if not backward:
         return Decline("the attention's backward was not found")
     # Forward nodes of the region's ops that only its backward reads (an alias of the saved probabilities).
@@ -178,8 +196,7 @@ def _insert_backward(region: AttentionRegion, matched: RegionBackward, fwd: Trai
     graph = region.pv.graph
     score_shape = list(_val(region.score_root).shape)
     z, m, dv = math.prod(score_shape[:-2]) if len(score_shape) > 2 else 1, score_shape[-2], _val(region.pv).shape[-1]
-    example = [_val(region.score_root), *(_val(c) for c in region.captured)]
-    vjp = chain_vjp_module(fwd.chain.graph_module, example[: 1 + len(region.captured)])
+    vjp = chain_vjp_module(fwd.chain.graph_module, [_val(region.score_root), *(_val(c) for c in fwd.captured)])
     position = {n: i for i, n in enumerate(graph.nodes)}
     anchor = matched.grad_out if position[matched.grad_out] > position[fwd.lse] else fwd.lse
     with graph.inserting_before(anchor.next):
@@ -195,7 +212,7 @@ def _insert_backward(region: AttentionRegion, matched: RegionBackward, fwd: Trai
         vjp_node = subgraph(graph, vjp, "score_chain_vjp")
         q, kt, v = fwd.operands
         both = call_op(graph, ops.online_softmax_attention_backward, (
-            q, kt, v, list(region.captured), fwd.subgraphs, fwd.decisions, vjp_node, fwd.lse, delta, dense, grad_out,
+            q, kt, v, fwd.captured, fwd.subgraphs, fwd.decisions, vjp_node, fwd.lse, delta, dense, grad_out,
             list(region.captured_sizes),
         ))
         grads = [call_op(graph, operator.getitem, (both, i)) for i in range(3)]
