@@ -249,30 +249,56 @@ FAKE_IMPLS = {
 }
 
 
-# Training. The forward saves, besides q, kᵀ and v, one float32 per row: the log-sum-exp of its logits in the kernel's
-# log2 units, ``lse = log2(Σ_N exp2(logits · log2(e)))`` (-inf for a row whose logits are all -inf). The backward
-# recomputes each score tile from it (P = exp2(logits · log2(e) − lse)) instead of reading saved probabilities.
-def _log2_sum_exp(chain: ScoreChain, q, kt, captured, sizes=()) -> torch.Tensor:
+# Training. The forward saves, besides q, kᵀ and v, the rows' statistics of its softmax, float32, from which the
+# backward recomputes each tile's probabilities instead of reading saved ones: the log-sum-exp of the logits in the
+# kernel's log2 units, ``lse = log2(Σ_N exp2(logits · log2(e)))`` ``[Z, M]`` (-inf for a row whose logits are all
+# -inf), so that ``P = exp2(logits · log2(e) − lse)``; or, for logits that may come near -FLT_MAX (``wide_logits``),
+# the row max in the logits' own units and the sum apart, ``[Z, 2, M]``: there ``m · scale + log2(l)`` would round
+# ``l`` away, and the kernel scales such rows by a power of two (``RUNNING_MAX_AND_P_WIDE``).
+LOG2E = 1.4426950408889634
+WIDE_ROW_LIMIT = 2.0**30  # |m · scale| from which a row of wide logits takes the smaller, exact scale
+
+
+def wide_row_scale(row_max: torch.Tensor, logit_scale: float) -> torch.Tensor:
+    """The scale of each row of wide logits: ``logit_scale``, or the largest power of two at most it for rows
+    whose scaled max reaches ``WIDE_ROW_LIMIT``."""
+    tiny = 2.0 ** math.floor(math.log2(logit_scale))
+    return torch.where((row_max * logit_scale).abs() < WIDE_ROW_LIMIT, logit_scale, tiny)
+
+
+def _row_statistics(chain: ScoreChain, q, kt, captured, sizes=()) -> torch.Tensor:
     m, d, n = q.shape[-2], q.shape[-1], kt.shape[-1]
     z = math.prod(chain.batch_shape)
     scores = torch.bmm(q.reshape(z, m, d), kt.reshape(z, d, n)).view(*chain.batch_shape, m, n)
-    logits = chain.graph_module(scores, *captured, *sizes).float() * chain.folded_scale
-    return (torch.logsumexp(logits, -1) * (1.0 / math.log(2.0))).reshape(z, m)
+    logits = chain.graph_module(scores, *captured, *sizes).float().reshape(z, m, n)
+    logit_scale = LOG2E * chain.folded_scale
+    if not chain.wide_logits:
+        return torch.logsumexp(logits * chain.folded_scale, -1) * LOG2E
+    row_max = logits.amax(-1)
+    known = torch.where(row_max == -math.inf, 0.0, row_max)
+    row_scale = wide_row_scale(known, logit_scale)[..., None]
+    total = torch.exp2(logits * row_scale - known[..., None] * row_scale).sum(-1)
+    return torch.stack([row_max, total], 1)
+
+
+def row_statistics_shape(decisions: dict, m) -> list:
+    z = math.prod(decisions["batch_shape"])
+    return [z, 2, m] if decisions["wide_logits"] else [z, m]
 
 
 def online_softmax_attention_with_lse(q, kt, v, captured, score_chain, decisions, output_batch=None, sizes=()):
     """The fused forward of a graph that trains: the output as ``online_softmax_attention``'s, and the rows'
-    log-sum-exp ``[Z, M]`` (float32, log2 units) that the backward reads."""
+    statistics that the backward reads (above)."""
     chain = chain_from_arguments(score_chain, decisions)
     out = online_softmax_attention(q, kt, v, captured, None, score_chain, decisions, None, output_batch, sizes)
-    return out, _log2_sum_exp(chain, q, kt, captured, sizes)
+    return out, _row_statistics(chain, q, kt, captured, sizes)
 
 
 def online_softmax_attention_backward(q, kt, v, captured, score_chain, decisions, chain_vjp, lse, delta, dense, grad_out, sizes=()):
     """The fused backward: the gradients of ``online_softmax_attention`` at ``grad_out`` ``[Z, M, Dv]`` with respect
     to the operands as the scores and output matmuls read them: ``dq [Z, M, D]``, ``dkt [Z, D, N]``, ``dv [Z, N, Dv]``.
     ``chain_vjp`` is the derivative of the chain, ``(scores, *captured, *sizes, grad_logits) -> grad_scores``;
-    ``lse`` the forward's, ``delta`` the rows' ``Σ_Dv grad_out · out`` (float32), ``dense`` per batch entry whether a
+    ``lse`` the forward's row statistics, ``delta`` the rows' ``Σ_Dv grad_out · out`` (float32), ``dense`` per batch entry whether a
     row is entirely masked (its backward visits every tile, as eager's gives NaN or 0 there). The kernel reads
     those; run eagerly, the gradients come from autograd through the op's meaning, which needs none of them."""
     z = math.prod(decisions["batch_shape"])
@@ -286,7 +312,7 @@ def online_softmax_attention_backward(q, kt, v, captured, score_chain, decisions
 
 def online_softmax_attention_with_lse_fake(q, kt, v, captured, score_chain, decisions, output_batch=None, sizes=()):
     out = online_softmax_attention_fake(q, kt, v, captured, None, score_chain, decisions, None, output_batch, sizes)
-    return out, q.new_empty(math.prod(decisions["batch_shape"]), q.shape[-2], dtype=torch.float32)
+    return out, q.new_empty(row_statistics_shape(decisions, q.shape[-2]), dtype=torch.float32)
 
 
 def online_softmax_attention_backward_fake(q, kt, v, captured, score_chain, decisions, chain_vjp, lse, delta, dense, grad_out, sizes=()):

@@ -197,17 +197,12 @@ def _folded_chains(
     return folds[0][0], folds[1][0] if unmasked is not None else None, folds[0][1]
 
 
-class TrainingDeclined(Exception):
-    """Raised by ``fuse(..., training=True)`` before it changes the graph: the fused backward cannot take the
-    region."""
-
-
 @dataclasses.dataclass
 class TrainingForward:
     """What ``fuse(..., training=True)`` inserted, which the fused backward reads too."""
 
     result: torch.fx.Node  # the node that now stands for ``region.pv``
-    lse: torch.fx.Node  # the rows' log-sum-exp, [Z, M] float32
+    lse: torch.fx.Node  # the rows' statistics (``ops.online_softmax_attention_with_lse``)
     operands: tuple  # q, kt, v as the fused node reads them
     captured: list  # the tensors the chain reads (with the mask table, when there is one)
     subgraphs: dict  # the chain's subgraphs (get_attr nodes), by ScoreChain field
@@ -229,8 +224,6 @@ def fuse(
         formula, mask_nodes, skippable = position_masks(region.chain, fills)
     guards, row_max_bound = _speculated_guards(region, training)
     wide_logits = region.softmax and _logits_may_near_float_max(region, fills, guard_only_nodes(region.chain, guards))
-    if training and wide_logits:
-        raise TrainingDeclined("the logits may come near -FLT_MAX (a float tensor or a huge constant in the chain)")
     id_mask = _summarised_id_mask(region) if region.softmax and config.block_skipping else None
     summarise_tensors = region.softmax and config.block_skipping and config.mask_tensor_tables
     tensor_masks = matched_tensor_masks(region.chain, region.score_root) if summarise_tensors else []

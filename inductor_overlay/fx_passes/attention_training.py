@@ -33,7 +33,7 @@ import torch
 from torch._dynamo.utils import counters
 
 from inductor_overlay import config, ops
-from inductor_overlay.fx_passes.attention_fusion import TrainingDeclined, TrainingForward, fuse
+from inductor_overlay.fx_passes.attention_fusion import TrainingForward, fuse
 from inductor_overlay.fx_passes.attention_region import AttentionRegion, Decline, _looks_like_softmax_input, find_attention
 from inductor_overlay.fx_passes.block_sparsity import is_op as _is
 from inductor_overlay.fx_passes.fx_helpers import _MATMULS, _val, aten, call_op, prims, subgraph
@@ -207,7 +207,8 @@ def _insert_backward(region: AttentionRegion, matched: RegionBackward, fwd: Trai
             call_op(graph, prims.convert_element_type.default, (out, torch.float32)),
         ))
         delta = call_op(graph, aten.sum.dim_IntList, (products, [-1]))
-        row_floor = call_op(graph, aten.amin.default, (fwd.lse, [-1]))
+        row_max = call_op(graph, aten.select.int, (fwd.lse, 1, 0)) if fwd.chain.wide_logits else fwd.lse
+        row_floor = call_op(graph, aten.amin.default, (row_max, [-1]))
         dense = call_op(graph, aten.eq.Scalar, (row_floor, -math.inf))
         vjp_node = subgraph(graph, vjp, "score_chain_vjp")
         q, kt, v = fwd.operands
@@ -240,16 +241,11 @@ def fuse_attention_for_training(graph: torch.fx.Graph) -> None:
         matched = match_backward(region) if reason is None else None
         if isinstance(matched, Decline):
             reason = matched.reason
-        if reason is None:
-            try:
-                fwd = fuse(region, training=True)
-            except TrainingDeclined as declined:
-                reason = str(declined)
         if reason is not None:
             counters["inductor"]["flashlight_training_declined"] += 1
             log.info("attention not fused for training at %s: %s", pv.name, reason)
             continue
-        _insert_backward(region, matched, fwd)
+        _insert_backward(region, matched, fuse(region, training=True))
         changed = True
         counters["inductor"]["flashlight_attention_fused_for_training"] += 1
         log.info("attention fused for training at %s: scores %s", pv.name, tuple(_val(region.score_root).shape))

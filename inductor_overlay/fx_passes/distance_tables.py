@@ -124,7 +124,7 @@ def _pair_of(node: torch.fx.Node, pairs: dict) -> Optional[int]:
     gather = _gather(node)
     if gather is not None:
         source, index = gather
-        if index not in pairs or source in pairs:
+        if index not in pairs or source in pairs or "val" not in source.meta:
             return None
         return pairs[index] - (len(_shape(source)) - 1)
     tags = node.target.tags

@@ -31,6 +31,7 @@ from inductor_overlay.kernel.online_softmax_attention import (
     _divides,
     _interpreting,
     _lower_score_chain,
+    _power_of_two_below,
     _size_for_chain,
     _tile,
     _with_fixed_layout,
@@ -58,10 +59,11 @@ def _grid(z, m, n, meta, *, cdiv):
 
 
 @functools.lru_cache(maxsize=None)
-def backward_template(batch_ranks: tuple[int, int, int], masked_tile_code: Optional[str]) -> TritonTemplate:
-    """The backward kernel for operands with the given numbers of batch dims (q, kᵀ, v) and position-mask test."""
+def backward_template(batch_ranks: tuple[int, int, int], masked_tile_code: Optional[str], wide: bool) -> TritonTemplate:
+    """The backward kernel for operands with the given numbers of batch dims (q, kᵀ, v), position-mask test and
+    row statistics (``wide``: the row max and sum apart, ``ops.py``)."""
     offsets = {f"{name.lower()}_offset": _batch_offset(name, rank) for name, rank in zip(("Q", "KT", "V"), batch_ranks)}
-    source = _STRUCTURE.get_template("attention_backward.py.jinja").render(masked_tile=masked_tile_code, **offsets)
+    source = _STRUCTURE.get_template("attention_backward.py.jinja").render(masked_tile=masked_tile_code, wide=wide, **offsets)
     digest = hashlib.sha256(source.encode()).hexdigest()[:10]
     return TritonTemplate(name=f"flashlight_attention_backward_{digest}", grid=_grid, source=source)
 
@@ -122,7 +124,8 @@ def online_softmax_attention_backward_lowering(
     layout = ir.FixedLayout(device, q.get_dtype(), dq_size, ir.FlexibleLayout.contiguous_strides(dq_size))
     fp32_dot = q.get_dtype() == torch.float32
     wide = not all(expr_fits_within_32bit(t.get_layout().storage_size()) for t in [*operands, *captured])
-    template = backward_template(ranks, chain.masked_tile_code)
+    template = backward_template(ranks, chain.masked_tile_code, chain.wide_logits)
+    logit_scale = LOG2E * chain.folded_scale
     choices: list[Any] = []
     for config in _autotuned(backward_configs(d, dv, device)):
         error = template.maybe_append_choice(
@@ -136,7 +139,8 @@ def online_softmax_attention_backward_lowering(
             DV=dv,
             D_TILE=_tile(d),
             DV_TILE=_tile(dv),
-            LOGIT_SCALE=LOG2E * chain.folded_scale,
+            LOGIT_SCALE=logit_scale,
+            TINY_LOGIT_SCALE=_power_of_two_below(logit_scale),
             FOLDED_SCALE=chain.folded_scale,
             SCAN_TILES=16,
             POSITION_DTYPE="tl.int64" if wide else "tl.int32",

@@ -42,7 +42,7 @@ from inductor_overlay import ops as fused_ops
 
 aten = torch.ops.aten
 
-LOG2E = 1.4426950408889634  # exp(x) = exp2(x * LOG2E)
+LOG2E = fused_ops.LOG2E  # exp(x) = exp2(x * LOG2E)
 
 # Template variables holding the tile's positions, read by the user's chain: flattened batch entry, rows, columns
 # (their block shapes are given to the modification site in the template).
@@ -223,6 +223,12 @@ SOFTMAX_FINISH = """# Normalise once, after the loop (a row whose logits were al
 # whose logits were all -inf).
 LSE_STORE = """
     tl.store(LSE + out_z * {{stride("LSE", 0)}} + offs_m * {{stride("LSE", 1)}}, m_i + tl.log2(l_i), mask=offs_m < M)"""
+
+# With logits that may come near -FLT_MAX, the row max (the logits' units) and the sum apart (``ops.py``).
+ROW_STATISTICS_STORE = """
+    row_statistics = LSE + out_z * {{stride("LSE", 0)}} + offs_m * {{stride("LSE", 2)}}
+    tl.store(row_statistics, m_i, mask=offs_m < M)
+    tl.store(row_statistics + {{stride("LSE", 1)}}, l_i, mask=offs_m < M)"""
 
 # Speculation (fx_passes/finite_speculation.py): the loops ran a chain without its guards against NaN and infinity.
 ROW_MET_NO_GUARD = """~((l_i > 0.0) & (l_i < float("inf")) & (tl.abs(m_i) < SPECULATION_MAX_BOUND))"""
@@ -599,9 +605,9 @@ def online_softmax_attention_template(
         state, finish = state + PAIR_STATE, finish + PAIR_FINISH
         accumulate = accumulate.replace("# acc = alpha * acc + P V", PAIR_ACCUMULATE + "# acc = alpha * acc + P V")
     if stores_lse:
-        assert softmax and groups == 1 and pair_rank is None and not wide_logits and exact_subgraph is None
+        assert softmax and groups == 1 and pair_rank is None and exact_subgraph is None
         names += ["LSE"]
-        finish = LSE_STORE + "\n    " + finish
+        finish = (ROW_STATISTICS_STORE if wide_logits else LSE_STORE) + "\n    " + finish
     tile_range = _tile_range(masked_tile_code, visible_tile_code, id_subgraphs, table_subgraph)
     loops = ONE_LOOP if visible_tile_code is None else SPLIT_LOOPS
     heads_in_turn = groups > 1 and not shared_v
@@ -1123,7 +1129,8 @@ def _lower_attention(q, kt, v, captured, sink, chain, group_coefficients=None, p
         pair_rank = len(pair_values.get_size()) - 3
         pair_out = empty_strided([z, m, channels], None, dtype=chain.pair_dtype, device=device)
         operands += [ir.ExternKernel.realize_input(pair_values), pair_out]
-    lse = empty_strided([z, m], None, dtype=torch.float32, device=device) if stores_lse else None
+    lse_size = [z, 2, m] if chain.wide_logits else [z, m]
+    lse = empty_strided(lse_size, None, dtype=torch.float32, device=device) if stores_lse else None
     if lse is not None:
         operands.append(lse)
     for tensor in operands:
