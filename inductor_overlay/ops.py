@@ -105,6 +105,20 @@ def _module(subgraph):
     return getattr(subgraph, "graph_module", subgraph)
 
 
+class _Differentiable(torch.fx.Interpreter):
+    """Runs a chain with its dtype conversions as ``Tensor.to``: ``prims.convert_element_type`` has no autograd
+    formula, and the backward's meaning differentiates the chain."""
+
+    def call_function(self, target, args, kwargs):
+        if target is torch.ops.prims.convert_element_type.default:
+            return args[0].to(args[1])
+        return super().call_function(target, args, kwargs)
+
+
+def run_differentiably(module: torch.fx.GraphModule, *args) -> torch.Tensor:
+    return _Differentiable(module).run(*args)
+
+
 def chain_from_arguments(subgraphs: dict, decisions: dict) -> ScoreChain:
     return ScoreChain(**decisions, **{name: _module(subgraph) for name, subgraph in subgraphs.items()})
 
@@ -124,7 +138,7 @@ def _probabilities(chain: ScoreChain, q, kt, v, captured, sink, sizes=()) -> tor
     exact = chain.exact_graph_module is not None
     module = chain.exact_graph_module if exact else chain.graph_module
     folded_scale = chain.exact_folded_scale if exact else chain.folded_scale
-    logits = module(scores, *captured, *sizes)
+    logits = run_differentiably(module, scores, *captured, *sizes) if torch.is_grad_enabled() else module(scores, *captured, *sizes)
     if folded_scale != 1.0:  # the factor the pass took out of the chain (the kernel applies it with log2(e))
         logits = logits * folded_scale
     if not chain.softmax:

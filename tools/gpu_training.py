@@ -1,0 +1,132 @@
+"""Run as `PYTHONPATH=. python tools/gpu_training.py [--variants=a,b] [--shapes=BxHxSxD,...] [--check-only]`.
+
+Training on the GPU: forward + backward of each variant's first idiom, inputs requiring grad.
+
+1. Correctness (2×4×512×D, bf16): the output and dq, dk, dv against float64 eager (norm-wise relative error), and
+   whether the attention fused for training.
+2. Time (bf16, the given shapes): median of ``triton.testing.do_bench`` of one forward + backward for the overlay,
+   default ``torch.compile`` (overlay off), FlexAttention (the variant's score_mod / block mask, compiled) and SDPA
+   where the variant has one; peak memory of one step beside each. One process, so the ratios compare like with like.
+"""
+
+from __future__ import annotations
+
+import datetime
+import sys
+
+import torch
+import triton
+
+import flashlight
+
+flashlight.enable()  # explicit, so the script also runs from a checkout that is not pip-installed
+from benchmarks.bench_attention import flex_impl, parse_shape
+from benchmarks.variants import VARIANTS, Shape, make_inputs
+from inductor_overlay import config
+
+DEFAULT_VARIANTS = "vanilla,causal,softcap,sliding_window,document,alibi,alibi_arange,gemma2,hf_decoder_mask,t5_bias,gqa_causal"
+DEFAULT_SHAPES = "4x16x2048x64,4x16x2048x128"
+
+
+def _arg(name: str, default: str) -> str:
+    return next((a.split("=", 1)[1] for a in sys.argv[1:] if a.startswith(f"--{name}=")), default)
+
+
+def _inputs(variant, shape, dtype):
+    q, k, v, extras = make_inputs(variant, variant.adapt(shape), device="cuda", dtype=dtype)
+    return [t.requires_grad_() for t in (q, k, v)], extras
+
+
+def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b).norm() / b.norm())
+
+
+def check(variant) -> str:
+    fn = variant.reference
+    (q, k, v), extras = _inputs(variant, Shape(2, 4, 512, 512, 64), torch.bfloat16)
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    out = torch.compile(fn, dynamic=False)(q, k, v, **extras)
+    grad = torch.randn_like(out)
+    out.backward(grad)
+    fused = torch._dynamo.utils.counters["inductor"]["flashlight_attention_fused_for_training"]
+    ref = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    wide = {n: t.double() if t.is_floating_point() else t for n, t in extras.items()}
+    expected = fn(*ref, **wide)
+    expected.backward(grad.double())
+    errors = [_relative(out, expected)] + [_relative(t.grad, r.grad) for t, r in zip((q, k, v), ref)]
+    ok = all(e < 2e-2 for e in errors)
+    return f"{'ok ' if ok else 'BAD'} {variant.name:16} fused={fused} errors out/dq/dk/dv " + " ".join(f"{e:.1e}" for e in errors)
+
+
+def step_time(run, tensors, extras) -> tuple[float, float]:
+    def step():
+        out = run(*tensors, **extras)
+        out.backward(grad)
+
+    out = run(*tensors, **extras)
+    grad = torch.randn_like(out)
+    step()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    step()
+    torch.cuda.synchronize()
+    peak = (torch.cuda.max_memory_allocated() - base) / 2**20
+    ms = triton.testing.do_bench(step, warmup=25, rep=100, grad_to_none=tensors, return_mode="median")
+    return ms, peak
+
+
+def bench(variant, shape) -> list[str]:
+    fn = variant.reference
+    tensors, extras = _inputs(variant, shape, torch.bfloat16)
+    rows, times = [], {}
+    impls = {
+        "flashlight": lambda: torch.compile(fn, dynamic=False),
+        "compile": lambda: torch.compile(fn, dynamic=False),
+        "flex": lambda: (flex_impl(variant, variant.adapt(shape), extras) or (None,))[0],
+        "sdpa": lambda: variant.sdpa,
+    }
+    for impl, make in impls.items():
+        torch._dynamo.reset()
+        torch._dynamo.utils.counters.clear()
+        try:
+            with flashlight.enabled(impl != "compile"):
+                run = make()
+                if run is None:
+                    continue
+                ms, peak = step_time(run, tensors, extras)
+        except Exception as error:  # a failing implementation is a row with no time
+            rows.append(f"  {impl:10} FAILED {type(error).__name__}: {str(error)[:200]}")
+            torch.cuda.empty_cache()
+            continue
+        fused = torch._dynamo.utils.counters["inductor"]["flashlight_attention_fused_for_training"]
+        times[impl] = ms
+        note = f" fused={fused}" if impl == "flashlight" else ""
+        rows.append(f"  {impl:10} {ms:8.3f} ms  peak {peak:8.1f} MiB{note}")
+        torch.cuda.empty_cache()
+    ours = times.get("flashlight")
+    if ours:
+        ratios = " ".join(f"{base}/ours {times[base] / ours:.2f}x" for base in ("compile", "flex", "sdpa") if base in times)
+        rows.append(f"  {ratios}")
+    return rows
+
+
+def main() -> None:
+    names = _arg("variants", DEFAULT_VARIANTS).split(",")
+    shapes = [parse_shape(s) for s in _arg("shapes", DEFAULT_SHAPES).split(",")]
+    print(f"{torch.cuda.get_device_name()} torch {torch.__version__} triton {triton.__version__} {datetime.date.today()}")
+    with config.patch(sdpa_pattern_policy="flashlight"):
+        for name in names:
+            print(check(VARIANTS[name]), flush=True)
+    if "--check-only" in sys.argv:
+        return
+    for shape in shapes:
+        for name in names:
+            print(f"{name} {shape.B}x{shape.H}x{shape.M}x{shape.D} bf16 forward+backward", flush=True)
+            for row in bench(VARIANTS[name], shape):
+                print(row, flush=True)
+
+
+if __name__ == "__main__":
+    main()
