@@ -36,7 +36,7 @@ from inductor_overlay import config, ops
 from inductor_overlay.fx_passes.attention_fusion import TrainingForward, fuse
 from inductor_overlay.fx_passes.attention_region import AttentionRegion, Decline, _looks_like_softmax_input, find_attention
 from inductor_overlay.fx_passes.block_sparsity import is_op as _is
-from inductor_overlay.fx_passes.fx_helpers import _MATMULS, _val, aten, call_op, prims, subgraph
+from inductor_overlay.fx_passes.fx_helpers import _MATMULS, _operand_scale, _val, aten, call_op, prims, subgraph
 
 log = logging.getLogger("flashlight.attention_fusion")
 
@@ -151,8 +151,6 @@ def match_backward(region: AttentionRegion) -> Union[Decline, RegionBackward]:
 def _declines_training(region: AttentionRegion) -> Optional[str]:
     if not region.softmax or region.sink is not None or region.pair is not None:
         return "only a softmax over the columns alone trains fused (no sink, no pair reduction, no sigmoid)"
-    if region.operand_scale != 1.0:
-        return "a constant scale on q or k is taken into the chain"
     shapes = [_val(region.score_root).shape, *(_val(op).shape for op in _operands(region))]
     if not all(isinstance(size, int) for shape in shapes for size in shape) or region.captured_sizes:
         return "a dynamic shape"
@@ -218,9 +216,14 @@ def _insert_backward(region: AttentionRegion, matched: RegionBackward, fwd: Trai
         ))
         grads = [call_op(graph, operator.getitem, (both, i)) for i in range(3)]
         operands = _operands(region)
+        # A constant c taken off q or k (``_operand_scale``) is in the chain: the kernel's gradient is that of the
+        # unscaled operand, c times the scaled one's.
+        scales = [_operand_scale(region.q.node)[1], _operand_scale(region.kt.node)[1], 1.0]
         for value, index in matched.grads.items():
             shape = list(_val(operands[index]).shape)
             grad = grads[index]
+            if scales[index] != 1.0:
+                grad = call_op(graph, aten.div.Tensor, (grad, scales[index]))
             if list(_val(grad).shape) != shape:
                 grad = call_op(graph, aten.view.default, (grad, shape))
             value.replace_all_uses_with(grad)

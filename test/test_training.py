@@ -1,0 +1,199 @@
+"""Training: attention whose inputs require grad compiles into a fused forward and a fused backward (CPU harness).
+
+Every idiom of the variant library is compiled with q, k and v requiring grad and run forward and backward under
+the Triton interpreter; the output and the three gradients are checked against float64 eager autograd on fresh
+random inputs and upstream gradients (outputs poisoned), and the generated code is pinned: a forward kernel that
+stores the rows' statistics, a backward kernel with its two loops (dKᵀ and dV per column tile, dQ per row tile), the
+user's chain and its derivative inside, and no buffer as large as the score matrix in either graph.
+"""
+
+import logging
+import math
+
+import pytest
+import torch
+from torch.testing import FileCheck
+
+from benchmarks import variants
+from flashlight import testing
+from inductor_overlay import config
+from inductor_overlay.fx_passes import attention_training
+
+counters = torch._dynamo.utils.counters
+
+# The CI tier: one idiom of each kind of chain (position masks, a mask tensor, ids, a bias read through a gather,
+# a soft-cap, logits near -FLT_MAX, GQA); the full tier runs every idiom.
+CI_IDIOMS = {
+    ("causal", "masked_fill"), ("causal_mask_tensor", "boolean_passed_in"), ("document", "ids_equal"),
+    ("t5_bias", "bucket_gather"), ("gemma2", "softcap_window_fp32"), ("hf_decoder_mask", "additive_4d"),
+    ("gqa_causal", "repeat_interleave"),
+}
+IDIOMS = [
+    pytest.param(
+        variant.name, idiom, fn, id=f"{variant.name}-{idiom}",
+        marks=() if (variant.name, idiom) in CI_IDIOMS else pytest.mark.full,
+    )
+    for variant in variants.VARIANTS.values()
+    for idiom, fn in variant.idioms.items()
+]
+
+
+def float64(tensor):
+    return tensor.detach().double() if tensor.is_floating_point() else tensor
+
+
+def train_on_cpu(fn, operands, extras, grad_seed=0, **overlay):
+    """Compile ``fn`` afresh, run it forward and backward at a fresh random upstream gradient; returns the output,
+    the operands' gradients, the upstream gradient and the generated code of both graphs."""
+    from torch._inductor.utils import fresh_cache
+
+    torch._dynamo.reset()
+    with testing.cpu_triton(), config.patch(sdpa_pattern_policy="flashlight", **overlay), fresh_cache():
+
+        def step():
+            out = torch.compile(fn)(*operands, **extras)
+            grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(grad_seed), dtype=out.dtype)
+            out.backward(grad)
+            return out, grad
+
+        (out, grad), code = testing.run_keeping_graphs_and_get_code(step)
+    return out, [t.grad for t in operands], grad, code
+
+
+def eager_gradients(fn, operands, extras, grad):
+    leaves = [float64(t).requires_grad_() for t in operands]
+    out = fn(*leaves, **{name: float64(t) for name, t in extras.items()})
+    out.backward(grad.double())
+    return out, [t.grad for t in leaves]
+
+
+def assert_matches_eager(fn, operands, extras, out, grads, grad):
+    expected, expected_grads = eager_gradients(fn, operands, extras, grad)
+    testing.assert_close_to_reference(out, expected)
+    for actual, reference in zip(grads, expected_grads, strict=True):
+        testing.assert_close_to_reference(actual, reference)
+
+
+def assert_fused_training(code, score_numel):
+    """A forward kernel that stores the rows' statistics; a backward kernel with the column-tile loop (dV, dKᵀ)
+    and the row-tile loop (dQ), the chain and its derivative in each; no extern matmul; no buffer of the score
+    matrix's size in either graph."""
+    kernels = testing.triton_kernels(code)
+    forward = [text for text in kernels.values() if "for start_n in range(" in text and "grad_scores" not in text]
+    backward = [text for text in kernels.values() if "grad_scores" in text]
+    assert len(forward) == 1 and len(backward) == 1, list(kernels)
+    FileCheck().check("acc = tl.dot(p, v, acc * alpha").check("LSE + out_z").run(forward[0])
+    FileCheck().check("if tile < column_tiles:").check("for start_m in range(").check("scores = tl.dot(q, kt").check(
+        "dv = tl.dot(tl.trans("
+    ).check("dp = tl.dot(do, tl.trans(v)").check("grad_logits = p * (dp - delta").check("dkt = tl.dot(tl.trans(q)").check(
+        "else:"
+    ).check("for start_n in range(").check("dq = tl.dot(grad_scores").run(backward[0])
+    testing.check_kernels(code, extern_calls=0)
+    allocated = testing.allocated_buffer_numels(code)
+    assert max(allocated) < score_numel, f"buffers of {allocated} elements, scores {score_numel}"
+    assert counters["inductor"]["flashlight_attention_fused_for_training"] == 1
+    assert counters["inductor"]["flashlight_training_fault"] == 0
+    assert counters["inductor"]["flashlight_fault_fallback"] == 0
+
+
+def operands_of(variant, shape, dtype=torch.float32):
+    q, k, v, extras = variants.make_inputs(variant, shape, dtype=dtype)
+    return [t.requires_grad_() for t in (q, k, v)], extras
+
+
+@pytest.mark.parametrize("name,idiom,fn", IDIOMS)
+def test_variant_idioms_train_fused_and_match_eager(name, idiom, fn):
+    variant = variants.VARIANTS[name]
+    shape = variants.Shape(B=2, H=4, M=45 if variant.self_attention else 37, N=45, D=16)
+    operands, extras = operands_of(variant, shape)
+    out, grads, grad, code = train_on_cpu(fn, operands, extras)
+    assert_matches_eager(fn, operands, extras, out, grads, grad)
+    assert_fused_training(code, shape.B * shape.H * shape.M * shape.N)
+
+
+def test_half_precision_training_matches_eager():
+    variant = variants.VARIANTS["gemma2"]
+    shape = variants.Shape(B=1, H=2, M=40, N=40, D=16)
+    operands, extras = operands_of(variant, shape, dtype=torch.bfloat16)
+    out, grads, grad, code = train_on_cpu(variant.reference, operands, extras)
+    assert_matches_eager(variant.reference, operands, extras, out, grads, grad)
+    assert_fused_training(code, 2 * 40 * 40)
+
+
+def _rows_masked_by_where(q, k, v):
+    s = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
+    rows = torch.arange(s.shape[-2], device=q.device)
+    return torch.softmax(torch.where((rows < 3)[:, None], float("-inf"), s), -1) @ v
+
+
+def _rows_masked_by_bias(q, k, v):
+    s = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
+    rows = torch.arange(s.shape[-2], device=q.device)
+    bias = torch.where((rows < 3)[:, None], float("-inf"), 0.0)
+    return torch.softmax(s + bias, -1) @ v
+
+
+@pytest.mark.parametrize("fn", [_rows_masked_by_where, _rows_masked_by_bias])
+def test_fully_masked_rows_give_eagers_nan_and_zero_gradients(fn):
+    """Rows whose logits are all -inf are NaN forward; backward, eager gives NaN or 0 by the chain's own derivative
+    (a ``where`` passes 0 to the masked scores, an added -inf bias passes the NaN): the fused backward visits every
+    tile of such a batch entry and gives the same."""
+    operands = [torch.randn(1, 2, 20, 16).requires_grad_() for _ in range(3)]
+    out, grads, grad, code = train_on_cpu(fn, operands, {})
+    assert out[..., :3, :].isnan().all()
+    assert_matches_eager(fn, operands, {}, out, grads, grad)
+    assert_fused_training(code, 2 * 20 * 20)
+
+
+def test_a_bias_that_needs_its_gradient_declines_with_a_reason(caplog):
+    def biased(q, k, v, bias):
+        return torch.softmax(q @ k.transpose(-1, -2) + bias, -1) @ v
+
+    operands = [torch.randn(1, 2, 12, 8).requires_grad_() for _ in range(3)]
+    bias = torch.randn(2, 12, 12).requires_grad_()
+    with caplog.at_level(logging.INFO, logger="flashlight"):
+        out, grads, grad, _ = train_on_cpu(biased, [*operands, bias], {})
+    assert counters["inductor"]["flashlight_attention_fused_for_training"] == 0
+    assert "is not an operand's gradient (rule 4)" in caplog.text
+    assert_matches_eager(biased, [*operands, bias], {}, out, grads, grad)
+
+
+def test_a_fault_in_the_fused_backward_leaves_upstreams_and_stays_correct(monkeypatch):
+    def broken(*args):
+        raise RuntimeError("no derivative")
+
+    monkeypatch.setattr(attention_training, "chain_vjp_module", broken)
+    fn = variants.causal_masked_fill
+    operands = [torch.randn(1, 2, 12, 8).requires_grad_() for _ in range(3)]
+    out, grads, grad, code = train_on_cpu(fn, operands, {})
+    assert counters["inductor"]["flashlight_training_fault"] == 1
+    assert not [text for text in testing.triton_kernels(code).values() if "grad_scores" in text]
+    assert_matches_eager(fn, operands, {}, out, grads, grad)
+
+
+def test_fused_backward_flag_off_leaves_upstreams_backward():
+    fn = variants.causal_masked_fill
+    operands = [torch.randn(1, 2, 12, 8).requires_grad_() for _ in range(3)]
+    out, grads, grad, code = train_on_cpu(fn, operands, {}, fused_backward=False)
+    assert counters["inductor"]["flashlight_attention_fused_for_training"] == 0
+    assert_matches_eager(fn, operands, {}, out, grads, grad)
+
+
+def test_the_chains_derivative_is_its_joint_graph():
+    """The soft-cap's derivative is traced from the chain: its tanh appears with the 1 - tanh² of autograd."""
+    graph = torch.fx.Graph()
+    scores = graph.placeholder("scores")
+    capped = graph.call_function(torch.ops.aten.mul.Tensor, (
+        graph.call_function(torch.ops.aten.tanh.default, (graph.call_function(torch.ops.aten.div.Tensor, (scores, 30.0)),)), 30.0,
+    ))
+    graph.output(capped)
+    chain = torch.fx.GraphModule(torch.nn.Module(), graph)
+    from torch._subclasses import FakeTensorMode
+
+    with FakeTensorMode() as mode:
+        example = torch.empty(2, 3, 4)
+    assert torch._guards.detect_fake_mode([example]) is mode
+    vjp = attention_training.chain_vjp_module(chain, [example])
+    s, g = torch.randn(2, 3, 4, dtype=torch.float64), torch.randn(2, 3, 4, dtype=torch.float64)
+    torch.testing.assert_close(vjp(s, g), g * (1 - torch.tanh(s / 30) ** 2))
+    assert any(node.target is torch.ops.aten.tanh.default for node in vjp.graph.nodes)
