@@ -19,6 +19,9 @@ fault_containment: bool = os.environ.get("FLASHLIGHT_FAULT_CONTAINMENT", "1") !=
 attention_fusion: bool = os.environ.get("FLASHLIGHT_ATTENTION_FUSION", "1") != "0"
 # Training: attention whose inputs require grad gets a fused forward and a fused backward (fx_passes/attention_training.py).
 fused_backward: bool = os.environ.get("FLASHLIGHT_FUSED_BACKWARD", "1") != "0"
+# The backward kernel's tiles, "BLOCK_M1,BLOCK_N1,BLOCK_M2,BLOCK_N2,warps,stages" (for sweeps, tools/gpu_training.py);
+# empty: the defaults of kernel/attention_backward.py.
+backward_tiles: str = os.environ.get("FLASHLIGHT_BACKWARD_TILES", "")
 
 # Tiles that the position mask leaves entirely visible run the chain without its mask (a loop of their own),
 # where that pays (see attention_fusion._worth_a_visible_loop).

@@ -112,6 +112,29 @@ def bench(variant, shape) -> list[str]:
     return rows
 
 
+SWEEP_TILES = {
+    64: ["32,128,128,32,4,3", "32,128,128,32,4,5", "64,64,64,64,4,3", "64,128,128,64,8,3", "32,64,64,32,4,3"],
+    128: ["64,64,64,64,4,2", "32,128,128,32,8,2", "64,128,128,64,8,2", "32,64,64,32,4,3", "64,64,64,64,8,2"],
+}
+
+
+def sweep(variant, shape) -> list[str]:
+    """The overlay's forward + backward under each backward tile config (``config.backward_tiles``), one process."""
+    fn = variant.reference
+    tensors, extras = _inputs(variant, shape, torch.bfloat16)
+    rows = []
+    for tiles in SWEEP_TILES[64 if shape.D <= 64 else 128]:
+        torch._dynamo.reset()
+        try:
+            with config.patch(backward_tiles=tiles):
+                ms, _ = step_time(torch.compile(fn, dynamic=False), tensors, extras)
+            rows.append(f"  tiles {tiles:22} {ms:8.3f} ms")
+        except Exception as error:  # a config that does not compile is a row with no time
+            rows.append(f"  tiles {tiles:22} FAILED {type(error).__name__}: {str(error)[:120]}")
+        torch.cuda.empty_cache()
+    return rows
+
+
 def main() -> None:
     names = _arg("variants", DEFAULT_VARIANTS).split(",")
     shapes = [parse_shape(s) for s in _arg("shapes", DEFAULT_SHAPES).split(",")]
@@ -120,6 +143,13 @@ def main() -> None:
         for name in names:
             print(check(VARIANTS[name]), flush=True)
     if "--check-only" in sys.argv:
+        return
+    if "--sweep" in sys.argv:
+        for shape in shapes:
+            for name in names:
+                print(f"{name} {shape.B}x{shape.H}x{shape.M}x{shape.D} bf16 forward+backward, backward tiles", flush=True)
+                for row in sweep(VARIANTS[name], shape):
+                    print(row, flush=True)
         return
     for shape in shapes:
         for name in names:

@@ -56,8 +56,6 @@ JOINT_PASSES: list[GraphPass] = [fuse_attention_for_training]
 
 
 class FlashlightPostGradPass(CustomGraphPass):
-    passes = POST_GRAD_PASSES
-
     def __init__(self, user_pass: Optional[CustomGraphPass] = None) -> None:
         self.user_pass = user_pass
 
@@ -66,8 +64,11 @@ class FlashlightPostGradPass(CustomGraphPass):
             self.user_pass(graph)
         if not overlay_active():
             return
-        for graph_pass in self.passes:
+        for graph_pass in self.passes():
             graph_pass(graph)
+
+    def passes(self) -> list[GraphPass]:
+        return POST_GRAD_PASSES
 
     def uuid(self) -> Any:
         user_uuid = self.user_pass.uuid() if self.user_pass is not None else None
@@ -79,7 +80,8 @@ class FlashlightJointPass(FlashlightPostGradPass):
     """The overlay's joint-graph pass, installed through Inductor's ``joint_custom_post_pass`` seam: the user's own
     pass first, as for the post-grad one."""
 
-    passes = JOINT_PASSES
+    def passes(self) -> list[GraphPass]:
+        return JOINT_PASSES
 
     def uuid(self) -> Any:
         return ("joint", *super().uuid())

@@ -23,6 +23,7 @@ from torch._inductor.select_algorithm import SymbolicGridFn, TritonTemplate, aut
 from torch._inductor.utils import expr_fits_within_32bit
 from torch._inductor.virtualized import V
 
+from inductor_overlay import config as overlay_config
 from inductor_overlay import ops as fused_ops
 from inductor_overlay.kernel.online_softmax_attention import (
     LOG2E,
@@ -59,11 +60,14 @@ def _grid(z, m, n, meta, *, cdiv):
 
 
 @functools.lru_cache(maxsize=None)
-def backward_template(batch_ranks: tuple[int, int, int], masked_tile_code: Optional[str], wide: bool) -> TritonTemplate:
-    """The backward kernel for operands with the given numbers of batch dims (q, kᵀ, v), position-mask test and
-    row statistics (``wide``: the row max and sum apart, ``ops.py``)."""
+def backward_template(
+    batch_ranks: tuple[int, int, int], masked_tile_code: Optional[str], wide: bool, ids: bool
+) -> TritonTemplate:
+    """The backward kernel for operands with the given numbers of batch dims (q, kᵀ, v), position-mask test, row
+    statistics (``wide``: the row max and sum apart, ``ops.py``) and id-equality mask (``ids``: its row and column
+    ids are subgraphs 2 and 3, bounded per tile to skip tiles whose ids are disjoint, as in the forward)."""
     offsets = {f"{name.lower()}_offset": _batch_offset(name, rank) for name, rank in zip(("Q", "KT", "V"), batch_ranks)}
-    source = _STRUCTURE.get_template("attention_backward.py.jinja").render(masked_tile=masked_tile_code, wide=wide, **offsets)
+    source = _STRUCTURE.get_template("attention_backward.py.jinja").render(masked_tile=masked_tile_code, wide=wide, ids=ids, **offsets)
     digest = hashlib.sha256(source.encode()).hexdigest()[:10]
     return TritonTemplate(name=f"flashlight_attention_backward_{digest}", grid=_grid, source=source)
 
@@ -73,7 +77,9 @@ def backward_configs(d: int, dv: int, device: torch.device) -> list[dict[str, in
     BLOCK_N2): a row program's row tile and the column tiles it steps through; warps and stages."""
     if device.type != "cuda" or _interpreting():
         return [dict(BLOCK_M1=16, BLOCK_N1=16, BLOCK_M2=16, BLOCK_N2=16, num_warps=4, num_stages=1)]
-    if max(d, dv) <= 64:
+    if overlay_config.backward_tiles:
+        shapes = [tuple(int(x) for x in overlay_config.backward_tiles.split(","))]
+    elif max(d, dv) <= 64:
         shapes = [(32, 128, 128, 32, 4, 3), (64, 64, 64, 64, 4, 3), (64, 128, 128, 64, 8, 3)]
     elif max(d, dv) <= 128:
         shapes = [(64, 64, 64, 64, 4, 2), (32, 128, 128, 32, 8, 2), (64, 128, 128, 64, 8, 2)]
@@ -111,6 +117,12 @@ def online_softmax_attention_backward_lowering(
     grad_scores = _lower_score_chain(
         vjp_module, chain.score_dtype, score_size, device, [*chain_inputs, grad_logits], fast_tanh
     )
+    subgraphs = [logits, grad_scores]
+    if chain.id_graph_modules is not None:
+        subgraphs += [
+            _lower_score_chain(module, chain.score_dtype, score_size, device, chain_inputs)
+            for module in chain.id_graph_modules
+        ]
     operands = [ir.ExternKernel.realize_input(t) for t in (q, kt, v)]
     ranks = tuple(len(t.get_size()) - 2 for t in operands)
     operands += [ir.ExternKernel.realize_input(t) for t in (lse, delta, dense, grad_out)]
@@ -124,7 +136,7 @@ def online_softmax_attention_backward_lowering(
     layout = ir.FixedLayout(device, q.get_dtype(), dq_size, ir.FlexibleLayout.contiguous_strides(dq_size))
     fp32_dot = q.get_dtype() == torch.float32
     wide = not all(expr_fits_within_32bit(t.get_layout().storage_size()) for t in [*operands, *captured])
-    template = backward_template(ranks, chain.masked_tile_code, chain.wide_logits)
+    template = backward_template(ranks, chain.masked_tile_code, chain.wide_logits, chain.id_graph_modules is not None)
     logit_scale = LOG2E * chain.folded_scale
     choices: list[Any] = []
     for config in _autotuned(backward_configs(d, dv, device)):
@@ -132,7 +144,7 @@ def online_softmax_attention_backward_lowering(
             choices,
             input_nodes=operands,
             layout=layout,
-            subgraphs=[logits, grad_scores],
+            subgraphs=subgraphs,
             mutated_inputs=[dkt, dv_out],
             call_sizes=[z, m, n],
             D=d,
@@ -146,6 +158,8 @@ def online_softmax_attention_backward_lowering(
             POSITION_DTYPE="tl.int64" if wide else "tl.int32",
             DOT_PRECISION="'tf32'" if fp32_dot and torch.backends.cuda.matmul.allow_tf32 else "'ieee'",
             UPCAST_DOT_OPERANDS=_interpreting(),
+            EVEN_M=_divides(config["BLOCK_M1"], m) and _divides(config["BLOCK_M2"], m),
+            EVEN_N=_divides(config["BLOCK_N1"], n) and _divides(config["BLOCK_N2"], n),
             PROBABILITY_DTYPE=f"tl.{str(chain.probability_dtype).removeprefix('torch.')}",
             **config,
         )
