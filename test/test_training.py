@@ -3,12 +3,13 @@
 Every idiom of the variant library is compiled with q, k and v requiring grad and run forward and backward under
 the Triton interpreter; the output and the three gradients are checked against float64 eager autograd on fresh
 random inputs and upstream gradients (outputs poisoned), and the generated code is pinned: a forward kernel that
-stores the rows' statistics, a backward kernel with its two loops (dKᵀ and dV per column tile, dQ per row tile), the
+stores the rows' statistics, a backward kernel with its two loops (dK and dV per column tile, dQ per row tile), the
 user's chain and its derivative inside, and no buffer as large as the score matrix in either graph.
 """
 
 import logging
 import math
+import re
 
 import pytest
 import torch
@@ -75,7 +76,7 @@ def assert_matches_eager(fn, operands, extras, out, grads, grad):
 
 
 def assert_fused_training(code, score_numel):
-    """A forward kernel that stores the rows' statistics; a backward kernel with the column-tile loop (dV, dKᵀ)
+    """A forward kernel that stores the rows' statistics; a backward kernel with the column-tile loop (dV, dK)
     and the row-tile loop (dQ), the chain and its derivative in each; no extern matmul; no buffer of the score
     matrix's size in either graph."""
     kernels = testing.triton_kernels(code)
@@ -83,11 +84,18 @@ def assert_fused_training(code, score_numel):
     backward = [text for text in kernels.values() if "grad_scores" in text]
     assert len(forward) == 1 and len(backward) == 1, list(kernels)
     FileCheck().check("acc = tl.dot(p, v, acc * alpha").check("LSE + out_z").run(forward[0])
-    FileCheck().check("if tile < column_tiles:").check("for start_m in range(").check("scores = tl.dot(q, kt").check(
-        "dv = tl.dot(tl.trans("
-    ).check("dp = tl.dot(do, tl.trans(v)").check("grad_logits = p * (dp - delta").check("dkt = tl.dot(tl.trans(q)").check(
+    FileCheck().check("if tile < column_tiles:").check("for start_m in range(").check("scores = tl.dot(k, qt").check(
+        "dv = tl.dot(p.to("
+    ).check("dp = tl.dot(v, tl.trans(do)").check("grad_logits = p * (dp - delta").check("dk = tl.dot(grad_scores").check(
         "else:"
-    ).check("for start_n in range(").check("dq = tl.dot(grad_scores").run(backward[0])
+    ).check("for start_n in range(").check("scores = tl.dot(q, kt").check("dp = tl.dot(do, tl.trans(v)").check(
+        "dq = tl.dot(grad_scores"
+    ).run(backward[0])
+    # The backward skips the tiles the forward skips by position or by ids, from both sides.
+    position_test = re.search(r"masked = (\(\(.*?\)\))", forward[0])
+    if position_test is not None and "n_lo < 0" not in position_test[1]:
+        assert backward[0].count(position_test[1]) == 2, position_test[1]
+    assert backward[0].count("ids_disjoint =") == 2 * forward[0].count("ids_disjoint =")
     testing.check_kernels(code, extern_calls=0)
     allocated = testing.allocated_buffer_numels(code)
     assert max(allocated) < score_numel, f"buffers of {allocated} elements, scores {score_numel}"

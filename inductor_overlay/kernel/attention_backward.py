@@ -3,8 +3,9 @@
 The kernel (``templates/attention_backward.py.jinja``) recomputes each score tile from q, kᵀ and the forward's row
 log-sum-exp, runs the user's chain on it (the forward's own subgraph) and the chain's derivative (its joint graph,
 ``fx_passes/attention_training.chain_vjp_module``), and accumulates dKᵀ and dV per column tile and dQ per row tile
-in separate programs of one launch. Tiles the position mask leaves entirely masked are skipped as in the forward,
-by the same test (``ScoreChain.masked_tile_code``), in both directions.
+in separate programs of one launch. Tiles the position mask leaves entirely masked, or whose ids an id-equality mask
+keeps apart, are skipped as in the forward, by the same tests (``ScoreChain.masked_tile_code``, the id subgraphs),
+from both sides; a mask table (a mask passed in as a tensor, HF's additive masks) does not skip tiles here yet.
 """
 
 from __future__ import annotations
@@ -72,17 +73,22 @@ def backward_template(
     return TritonTemplate(name=f"flashlight_attention_backward_{digest}", grid=_grid, source=source)
 
 
-def backward_configs(d: int, dv: int, device: torch.device) -> list[dict[str, int]]:
+def backward_configs(d: int, dv: int, device: torch.device, id_mask: bool = False) -> list[dict[str, int]]:
     """(BLOCK_M1, BLOCK_N1): the row tiles a column program steps through and its column tile; (BLOCK_M2,
-    BLOCK_N2): a row program's row tile and the column tiles it steps through; warps and stages."""
+    BLOCK_N2): a row program's row tile and the column tiles it steps through; warps and stages. The first is the
+    one compiled outside max-autotune. From a sweep on an H200 (bf16, 4×16×2048, causal, soft-cap and document ids;
+    benchmarks/results/h200_2026-11-26_training/tile_sweep.txt): 64×64 tiles won at both head dims, by 6–23% at 64
+    and 13–40% at 128, except under an id mask at head dim 64, where 32×128 skips finer along the rows (27%)."""
     if device.type != "cuda" or _interpreting():
         return [dict(BLOCK_M1=16, BLOCK_N1=16, BLOCK_M2=16, BLOCK_N2=16, num_warps=4, num_stages=1)]
     if overlay_config.backward_tiles:
         shapes = [tuple(int(x) for x in overlay_config.backward_tiles.split(","))]
     elif max(d, dv) <= 64:
-        shapes = [(32, 128, 128, 32, 4, 3), (64, 64, 64, 64, 4, 3), (64, 128, 128, 64, 8, 3)]
+        shapes = [(64, 64, 64, 64, 4, 3), (32, 128, 128, 32, 4, 3), (32, 64, 64, 32, 4, 3)]
+        if id_mask:
+            shapes.sort(key=lambda shape: shape != (32, 128, 128, 32, 4, 3))
     elif max(d, dv) <= 128:
-        shapes = [(64, 64, 64, 64, 4, 2), (32, 128, 128, 32, 8, 2), (64, 128, 128, 64, 8, 2)]
+        shapes = [(64, 64, 64, 64, 4, 2), (32, 64, 64, 32, 4, 3), (32, 128, 128, 32, 8, 2)]
     else:
         shapes = [(32, 64, 64, 32, 4, 1), (16, 64, 64, 16, 4, 1)]
     return [
@@ -139,7 +145,7 @@ def online_softmax_attention_backward_lowering(
     template = backward_template(ranks, chain.masked_tile_code, chain.wide_logits, chain.id_graph_modules is not None)
     logit_scale = LOG2E * chain.folded_scale
     choices: list[Any] = []
-    for config in _autotuned(backward_configs(d, dv, device)):
+    for config in _autotuned(backward_configs(d, dv, device, chain.id_graph_modules is not None)):
         error = template.maybe_append_choice(
             choices,
             input_nodes=operands,
