@@ -96,6 +96,7 @@ def assert_fused_training(code, score_numel):
     if position_test is not None and "n_lo < 0" not in position_test[1]:
         assert backward[0].count(position_test[1]) == 2, position_test[1]
     assert backward[0].count("ids_disjoint =") == 2 * forward[0].count("ids_disjoint =")
+    assert backward[0].count("cell_states = ") == 2 * forward[0].count("cell_states = ")
     testing.check_kernels(code, extern_calls=0)
     allocated = testing.allocated_buffer_numels(code)
     assert max(allocated) < score_numel, f"buffers of {allocated} elements, scores {score_numel}"

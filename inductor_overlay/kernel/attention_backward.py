@@ -2,10 +2,11 @@
 
 The kernel (``templates/attention_backward.py.jinja``) recomputes each score tile from q, kᵀ and the forward's row
 log-sum-exp, runs the user's chain on it (the forward's own subgraph) and the chain's derivative (its joint graph,
-``fx_passes/attention_training.chain_vjp_module``), and accumulates dKᵀ and dV per column tile and dQ per row tile
-in separate programs of one launch. Tiles the position mask leaves entirely masked, or whose ids an id-equality mask
-keeps apart, are skipped as in the forward, by the same tests (``ScoreChain.masked_tile_code``, the id subgraphs),
-from both sides; a mask table (a mask passed in as a tensor, HF's additive masks) does not skip tiles here yet.
+``fx_passes/attention_training.chain_vjp_module``), and accumulates dK and dV per column tile and dQ per row tile
+in separate programs of one launch. Tiles the position mask leaves entirely masked, whose ids an id-equality mask
+keeps apart, or all of whose cells a mask table marks masked (a mask passed in as a tensor, HF's additive masks) are
+skipped as in the forward, by the same tests (``ScoreChain.masked_tile_code``, the id and table subgraphs), from
+both sides.
 """
 
 from __future__ import annotations
@@ -62,13 +63,15 @@ def _grid(z, m, n, meta, *, cdiv):
 
 @functools.lru_cache(maxsize=None)
 def backward_template(
-    batch_ranks: tuple[int, int, int], masked_tile_code: Optional[str], wide: bool, ids: bool
+    batch_ranks: tuple[int, int, int], masked_tile_code: Optional[str], wide: bool, ids: bool,
+    table: Optional[int] = None,
 ) -> TritonTemplate:
     """The backward kernel for operands with the given numbers of batch dims (q, kᵀ, v), position-mask test, row
     statistics (``wide``: the row max and sum apart, ``ops.py``) and id-equality mask (``ids``: its row and column
-    ids are subgraphs 2 and 3, bounded per tile to skip tiles whose ids are disjoint, as in the forward)."""
+    ids are subgraphs 2 and 3, bounded per tile to skip tiles whose ids are disjoint, as in the forward) and mask
+    table (the subgraph of its cell states, or None: tiles all of whose cells are masked are skipped)."""
     offsets = {f"{name.lower()}_offset": _batch_offset(name, rank) for name, rank in zip(("Q", "KT", "V"), batch_ranks)}
-    source = _STRUCTURE.get_template("attention_backward.py.jinja").render(masked_tile=masked_tile_code, wide=wide, ids=ids, **offsets)
+    source = _STRUCTURE.get_template("attention_backward.py.jinja").render(masked_tile=masked_tile_code, wide=wide, ids=ids, table=table, **offsets)
     digest = hashlib.sha256(source.encode()).hexdigest()[:10]
     return TritonTemplate(name=f"flashlight_attention_backward_{digest}", grid=_grid, source=source)
 
@@ -129,6 +132,13 @@ def online_softmax_attention_backward_lowering(
             _lower_score_chain(module, chain.score_dtype, score_size, device, chain_inputs)
             for module in chain.id_graph_modules
         ]
+    table = None
+    if chain.mask_table_module is not None:
+        table = len(subgraphs)
+        cells = [-(-V.graph.sizevars.guard_int(size) // fused_ops.TABLE_CELL) for size in (m, n)]
+        subgraphs.append(
+            _lower_score_chain(chain.mask_table_module, chain.score_dtype, [*batch_shape, *cells], device, chain_inputs)
+        )
     operands = [ir.ExternKernel.realize_input(t) for t in (q, kt, v)]
     ranks = tuple(len(t.get_size()) - 2 for t in operands)
     operands += [ir.ExternKernel.realize_input(t) for t in (lse, delta, dense, grad_out)]
@@ -142,7 +152,9 @@ def online_softmax_attention_backward_lowering(
     layout = ir.FixedLayout(device, q.get_dtype(), dq_size, ir.FlexibleLayout.contiguous_strides(dq_size))
     fp32_dot = q.get_dtype() == torch.float32
     wide = not all(expr_fits_within_32bit(t.get_layout().storage_size()) for t in [*operands, *captured])
-    template = backward_template(ranks, chain.masked_tile_code, chain.wide_logits, chain.id_graph_modules is not None)
+    template = backward_template(
+        ranks, chain.masked_tile_code, chain.wide_logits, chain.id_graph_modules is not None, table
+    )
     logit_scale = LOG2E * chain.folded_scale
     choices: list[Any] = []
     for config in _autotuned(backward_configs(d, dv, device, chain.id_graph_modules is not None)):
@@ -164,6 +176,8 @@ def online_softmax_attention_backward_lowering(
             POSITION_DTYPE="tl.int64" if wide else "tl.int32",
             DOT_PRECISION="'tf32'" if fp32_dot and torch.backends.cuda.matmul.allow_tf32 else "'ieee'",
             UPCAST_DOT_OPERANDS=_interpreting(),
+            MASK_CELL=fused_ops.TABLE_CELL,
+            **{f"CELLS_{dim}": max(config[f"BLOCK_{dim}"] // fused_ops.TABLE_CELL, 1) for dim in ("M1", "N1", "M2", "N2")},
             EVEN_M=_divides(config["BLOCK_M1"], m) and _divides(config["BLOCK_M2"], m),
             EVEN_N=_divides(config["BLOCK_N1"], n) and _divides(config["BLOCK_N2"], n),
             PROBABILITY_DTYPE=f"tl.{str(chain.probability_dtype).removeprefix('torch.')}",
