@@ -206,3 +206,45 @@ def test_the_chains_derivative_is_its_joint_graph():
     s, g = torch.randn(2, 3, 4, dtype=torch.float64), torch.randn(2, 3, 4, dtype=torch.float64)
     torch.testing.assert_close(vjp(s, g), g * (1 - torch.tanh(s / 30) ** 2))
     assert any(node.target is torch.ops.aten.tanh.default for node in vjp.graph.nodes)
+
+
+# Hugging Face models whose parameters require grad (run without ``torch.no_grad()``, the training graph): GQA with
+# rotary embeddings and HF's padding mask (llama) in the CI tier; a finfo.min causal mask with its division by a
+# tensor (gpt2), a bidirectional padding mask (bert) and a soft-capped sliding window (gemma2) in the full tier.
+HF_TRAINING = [("llama", True), ("gpt2", False), ("bert", True), ("gemma2", True)]
+
+
+@pytest.mark.parametrize("family_name,padded", [
+    pytest.param(name, padded, id=f"{name}-{'padding_mask' if padded else 'no_mask'}",
+                 marks=() if name == "llama" else pytest.mark.full)
+    for name, padded in HF_TRAINING
+])
+def test_hf_model_trains_with_the_fused_backward(family_name, padded):
+    """Every attention of the model fuses forward and backward, nothing falls back, and the gradients of every
+    parameter match the eager model's (float32; HF's masks depend on the dtype, as in ``test_hf_models.py``)."""
+    pytest.importorskip("transformers")
+    from benchmarks import hf_models
+
+    family = next(f for f in hf_models.FAMILIES if f.name == family_name)
+    torch.manual_seed(0)
+    overrides = dict(sliding_window=8) if family_name == "gemma2" else {}
+    model = hf_models.build(family, hidden=64, heads=4, layers=1, **overrides)
+    ids, mask = hf_models.token_inputs(2, 40, padded)
+
+    def loss_of(forward):
+        return forward(model, ids, mask).float().pow(2).mean()
+
+    loss_of(hf_models.forward).backward()
+    expected = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    from torch._inductor.utils import fresh_cache
+
+    torch._dynamo.reset()
+    with testing.cpu_triton(), fresh_cache():
+        loss_of(torch.compile(hf_models.forward)).backward()
+    assert counters["inductor"]["flashlight_attention_fused_for_training"] == family.attentions_per_layer
+    assert counters["inductor"]["flashlight_training_fault"] == 0
+    assert counters["inductor"]["flashlight_fault_fallback"] == 0
+    for name, reference in expected.items():
+        grad = dict(model.named_parameters())[name].grad
+        torch.testing.assert_close(grad, reference, rtol=1e-3, atol=1e-5, msg=lambda m: f"{name}: {m}")

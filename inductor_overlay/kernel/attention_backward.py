@@ -35,6 +35,7 @@ from inductor_overlay.kernel.online_softmax_attention import (
     _interpreting,
     _lower_score_chain,
     _power_of_two_below,
+    _score_sized_bytes,
     _size_for_chain,
     _tile,
     _with_fixed_layout,
@@ -157,7 +158,12 @@ def online_softmax_attention_backward_lowering(
     )
     logit_scale = LOG2E * chain.folded_scale
     choices: list[Any] = []
-    for config in _autotuned(backward_configs(d, dv, device, chain.id_graph_modules is not None)):
+    configs = backward_configs(d, dv, device, chain.id_graph_modules is not None)
+    if _score_sized_bytes(captured, m, n) > 0:
+        # A mask or bias read per element: Triton 3.6's pipeliner fails in make_llir on this kernel at rows of 2048
+        # and more (a boolean mask tensor on the H200; 1024 compiled): its loops run unpipelined.
+        configs = [dict(config, num_stages=1) for config in configs]
+    for config in _autotuned(configs):
         error = template.maybe_append_choice(
             choices,
             input_nodes=operands,
