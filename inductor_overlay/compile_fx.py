@@ -35,6 +35,25 @@ def _clone_graph_module(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     return clone
 
 
+def _unfused(gm: torch.fx.GraphModule, example_inputs: Any) -> torch.fx.GraphModule:
+    """``gm`` with every overlay node traced into the aten ops of its meaning (``ops.py``), so that upstream's path
+    can compile it: the fused forward and backward a joint-graph pass put into a graph that trains reach the inner
+    compiler already in place, where a post-grad fusion does not. ``gm`` itself when it holds none."""
+    from torch._inductor.decomposition import select_decomp_table
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from inductor_overlay import ops
+
+    if not any(node.op == "call_function" and node.target in ops.FAKE_IMPLS for node in gm.graph.nodes):
+        return gm
+    inputs = list(example_inputs)
+    fake_mode = torch._guards.detect_fake_mode(inputs)
+    if fake_mode is None:
+        return make_fx(gm, decomposition_table=select_decomp_table(), tracing_mode="fake")(*inputs)
+    with fake_mode:
+        return make_fx(gm, decomposition_table=select_decomp_table())(*inputs)
+
+
 def _post_grad_pass_config(overlay_on: bool) -> dict[str, Any]:
     from torch._inductor import config as inductor_config
 
@@ -75,7 +94,7 @@ def contain_faults(inner_compile: Callable[..., Any]) -> Callable[..., Any]:
                 "it was compiled again on upstream Inductor's path"
             )
             with suspended(), inductor_config.patch(_post_grad_pass_config(overlay_on=False)):
-                return inner_compile(pristine, example_inputs, **kwargs)
+                return inner_compile(_unfused(pristine, example_inputs), example_inputs, **kwargs)
 
     contained._flashlight_contained = True  # type: ignore[attr-defined]
     return contained

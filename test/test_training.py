@@ -231,8 +231,12 @@ def test_hf_model_trains_with_the_fused_backward(family_name, padded):
     model = hf_models.build(family, hidden=64, heads=4, layers=1, **overrides)
     ids, mask = hf_models.token_inputs(2, 40, padded)
 
+    # A fixed random weighting of the outputs (their squares would sum to a constant after the final norm: a
+    # gradient of rounding noise).
+    weights = torch.randn(hf_models.forward(model, ids, mask).shape, generator=torch.Generator().manual_seed(1))
+
     def loss_of(forward):
-        return forward(model, ids, mask).float().pow(2).mean()
+        return (forward(model, ids, mask).float() * weights).mean()
 
     loss_of(hf_models.forward).backward()
     expected = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
@@ -245,6 +249,34 @@ def test_hf_model_trains_with_the_fused_backward(family_name, padded):
     assert counters["inductor"]["flashlight_attention_fused_for_training"] == family.attentions_per_layer
     assert counters["inductor"]["flashlight_training_fault"] == 0
     assert counters["inductor"]["flashlight_fault_fallback"] == 0
+    # Norm-wise per parameter, against the largest gradient too: a key projection's bias has a gradient of 0 in exact
+    # arithmetic (it shifts every score of a row alike), rounding noise in both. Embedding tables are left out: their
+    # gradient is a scatter-add, which the Triton interpreter loses duplicates of (default compile's too, here).
+    embeddings = {f"{name}.weight" for name, module in model.named_modules() if isinstance(module, torch.nn.Embedding)}
+    scale = max(float(reference.norm()) for reference in expected.values())
+    errors = {}
     for name, reference in expected.items():
         grad = dict(model.named_parameters())[name].grad
-        torch.testing.assert_close(grad, reference, rtol=1e-3, atol=1e-5, msg=lambda m: f"{name}: {m}")
+        if name not in embeddings:
+            errors[name] = float((grad - reference).norm()) / (float(reference.norm()) + 1e-3 * scale)
+    assert max(errors.values()) < 1e-4, errors
+
+
+def test_a_fault_in_the_backward_kernel_falls_back_to_the_meaning_of_the_node(monkeypatch):
+    """The fused backward reaches the backward graph's compiler already in place: when its lowering fails, the
+    graph is compiled again on upstream's path with the node traced into the aten ops of its meaning."""
+    from torch._inductor import lowering
+
+    from inductor_overlay import ops
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("injected backward fault")
+
+    monkeypatch.setitem(lowering.lowerings, ops.online_softmax_attention_backward, broken)
+    fn = variants.causal_masked_fill
+    operands = [torch.randn(1, 2, 12, 8).requires_grad_() for _ in range(3)]
+    with pytest.warns(UserWarning, match="injected backward fault"):
+        out, grads, grad, code = train_on_cpu(fn, operands, {})
+    assert counters["inductor"]["flashlight_attention_fused_for_training"] == 1
+    assert counters["inductor"]["flashlight_fault_fallback"] == 1
+    assert_matches_eager(fn, operands, {}, out, grads, grad)
