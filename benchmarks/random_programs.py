@@ -16,7 +16,7 @@ import math
 import random
 import sys
 import time
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 
@@ -241,33 +241,62 @@ def build(p: Program) -> Callable:
 TOLERANCE = {torch.float32: (1e-4, 1e-5), torch.float16: (3e-2, 3e-2), torch.bfloat16: (8e-2, 8e-2)}
 
 
-def check(p: Program, device: str = "cpu") -> tuple[bool, bool, str]:
+def _run(program: Callable, args: list, extras: dict, grad: Optional[torch.Tensor]) -> tuple:
+    """The program's outputs, and with ``grad`` (training) the gradients of q, k and v at that upstream gradient."""
+    out = program(*args, **extras)
+    outs = out if isinstance(out, tuple) else (out,)
+    if grad is None:
+        return outs
+    outs[0].backward(grad.to(outs[0].dtype))
+    return (*(o.detach() for o in outs), *(a.grad for a in args))
+
+
+def check(p: Program, device: str = "cpu", training: bool = False) -> tuple[bool, bool, str]:
     """Compile for ``device`` (the CPU harness, or a GPU) and compare with float64 eager on the CPU: (matches,
     fused, detail). An overlay fault that fell back to upstream counts as a mismatch too: the program ran, but the
-    overlay broke on it."""
+    overlay broke on it. In ``training`` q, k and v require grad: the first output's backward runs at a fresh random
+    upstream gradient, and the three gradients are compared too (fused: forward and backward)."""
     from flashlight import testing
 
     program = build(p)
     args, extras = make_inputs(p)
+    grad = None
+    if training:
+        with torch.no_grad():
+            first = program(*args, **extras)
+        first = first[0] if isinstance(first, tuple) else first
+        grad = torch.randn(first.shape, generator=torch.Generator().manual_seed(p.seed + 1))
+
+    def leaves(dtype=None, to=None):
+        made = [a.detach().to(dtype or a.dtype).to(to or a.device) for a in args]
+        return [a.requires_grad_() for a in made] if training else made
+
+    from torch._inductor.utils import fresh_cache
+
     counters = torch._dynamo.utils.counters
     counters.clear()
+    torch._dynamo.reset()
     if device == "cpu":
-        with testing.cpu_triton():
-            out, _ = testing.compile_and_get_code(program, *args, **extras)
+        with testing.cpu_triton(), fresh_cache():
+            out = _run(torch.compile(program), leaves(), extras, grad)
     else:
-        out, _ = testing.compile_and_get_code(
-            program, *(a.to(device) for a in args), **{name: t.to(device) for name, t in extras.items()})
-        out = tuple(t.cpu() for t in out) if isinstance(out, tuple) else out.cpu()
+        moved = {name: t.to(device) for name, t in extras.items()}
+        with fresh_cache():
+            out = _run(torch.compile(program), leaves(to=device), moved, None if grad is None else grad.to(device))
+        out = tuple(t.cpu() for t in out)
     up = {name: (t.double() if t.is_floating_point() else t) for name, t in extras.items()}
-    expected = program(*(a.double() for a in args), **up)
-    eager = program(*args, **extras)
+    expected = _run(program, leaves(torch.float64), up, grad)
+    eager = _run(program, leaves(), extras, grad)
     rtol, atol = TOLERANCE[p.dtype]
-    fused = counters["inductor"]["flashlight_attention_fused"] >= 1
-    faulted = counters["inductor"]["flashlight_fault_fallback"] > 0
+    fused_counter = "flashlight_attention_fused_for_training" if training else "flashlight_attention_fused"
+    fused = counters["inductor"][fused_counter] >= 1
+    faulted = counters["inductor"]["flashlight_fault_fallback"] + counters["inductor"]["flashlight_training_fault"] > 0
     matches, details = not faulted, []
-    for actual, reference, own in zip(*(t if isinstance(t, tuple) else (t,) for t in (out, expected, eager)), strict=True):
-        # Half-precision eager itself rounds; the bar is the float64 reference with eager's own error as slack.
-        slack = (own.double() - reference).abs().nan_to_num(0).max().item() if p.dtype != torch.float32 else 0.0
+    for actual, reference, own in zip(out, expected, eager, strict=True):
+        # Half-precision eager itself rounds; the bar is the float64 reference with eager's own error as slack. So
+        # it is for gradients (and outputs) in training at any precision: they sum over a whole row or column.
+        own_error = (own.double() - reference).abs().nan_to_num(0).max().item()
+        slack = own_error if p.dtype != torch.float32 or training else 0.0
         same_nans = torch.equal(actual.isnan(), reference.isnan())
         close = torch.allclose(actual.double(), reference, rtol=rtol, atol=atol + 2 * slack, equal_nan=True)
         matches = matches and same_nans and close
@@ -282,6 +311,7 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--log", default=None, help="append one line per program to this file")
     parser.add_argument("--device", default="cpu", help="cpu (the CPU harness) or cuda")
+    parser.add_argument("--training", action="store_true", help="q, k, v require grad: gradients are checked too")
     args = parser.parse_args()
     import warnings
 
@@ -294,7 +324,7 @@ def main() -> int:
     for seed in range(args.seed, args.seed + args.count):
         program = draw(seed)
         try:
-            ok, fused, detail = check(program, args.device)
+            ok, fused, detail = check(program, args.device, args.training)
         except Exception as error:  # a program that does not compile or run is a mismatch, not the end of the run
             ok, fused, detail = False, False, f"RAISED {type(error).__name__}: {str(error)[:200]}"
         fused_count += fused
@@ -305,7 +335,8 @@ def main() -> int:
         if log:
             log.write(line + "\n")
             log.flush()
-    summary = (f"{args.count} programs on {args.device} (seeds {args.seed}..{args.seed + args.count - 1}), {len(mismatches)} mismatches, "
+    mode = " in training" if args.training else ""
+    summary = (f"{args.count} programs{mode} on {args.device} (seeds {args.seed}..{args.seed + args.count - 1}), {len(mismatches)} mismatches, "
                f"{fused_count} fused, {time.time() - start:.0f} s")
     print(summary)
     if log:

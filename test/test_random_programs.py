@@ -42,3 +42,25 @@ def test_random_programs_match_eager(start):
             failures.append(f"{program.describe()}: {detail}")
     assert not failures, "\n".join(failures)
     assert fused >= BATCH // 2, f"only {fused} of {BATCH} programs fused: the generator no longer exercises the overlay"
+
+
+# Training: the same generator, with q, k and v requiring grad; gradients are compared too. A program the fused
+# backward does not take (a sink, a pair reduction, a head combination, sigmoid attention, a single row) trains on
+# upstream's path and must still match: about a quarter of the draws fuse for training.
+TRAINING_BATCH = 6
+
+
+@pytest.mark.parametrize("start", [
+    pytest.param(start, marks=[] if start == 200_000 else [pytest.mark.full])
+    for start in range(200_000, 200_000 + 6 * TRAINING_BATCH, TRAINING_BATCH)
+])
+def test_random_programs_train_and_match_eager(start):
+    failures, fused = [], 0
+    for seed in range(start, start + TRAINING_BATCH):
+        program = random_programs.draw(seed)
+        ok, was_fused, detail = random_programs.check(program, training=True)
+        fused += was_fused
+        if not ok:
+            failures.append(f"{program.describe()}: {detail}")
+    assert not failures, "\n".join(failures)
+    assert fused >= 1, f"none of {TRAINING_BATCH} programs fused for training: the generator no longer exercises it"
