@@ -120,13 +120,17 @@ def test_variant_idioms_train_fused_and_match_eager(name, idiom, fn):
     assert_fused_training(code, shape.B * shape.H * shape.M * shape.N)
 
 
-def test_half_precision_training_matches_eager():
-    variant = variants.VARIANTS["gemma2"]
+@pytest.mark.parametrize("name", ["gemma2", "document", "hf_decoder_mask"])
+def test_half_precision_training_matches_eager_and_passes_the_gpu_front_end(name):
+    """bf16, and the forward and backward kernels through Triton's front end for sm90 (``check_gpu_front_end``):
+    a soft-capped window (wide fp32 chain, fast tanh), id-mask skipping and a mask table from both sides."""
+    variant = variants.VARIANTS[name]
     shape = variants.Shape(B=1, H=2, M=40, N=40, D=16)
     operands, extras = operands_of(variant, shape, dtype=torch.bfloat16)
     out, grads, grad, code = train_on_cpu(variant.reference, operands, extras)
     assert_matches_eager(variant.reference, operands, extras, out, grads, grad)
     assert_fused_training(code, 2 * 40 * 40)
+    testing.check_gpu_front_end(code)
 
 
 def _rows_masked_by_where(q, k, v):
