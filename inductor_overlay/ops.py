@@ -129,11 +129,17 @@ def output_shape(batch_shape, m, dv, groups: int = 1, output_batch=None) -> list
     return [*batch, m, dv]
 
 
+def _scores(chain: ScoreChain, q, kt) -> torch.Tensor:
+    """``q @ kt`` as ``[*batch, M, N]``, each operand's batch flattened to Z entries."""
+    m, d, n = q.shape[-2], q.shape[-1], kt.shape[-1]
+    z = math.prod(chain.batch_shape)
+    return torch.bmm(q.reshape(z, m, d), kt.reshape(z, d, n)).view(*chain.batch_shape, m, n)
+
+
 def _probabilities(chain: ScoreChain, q, kt, v, captured, sink, sizes=()) -> torch.Tensor:
     """``[*batch, M, N]`` probabilities as the user's graph computes them (the unfused meaning of the op)."""
-    m, d, n = q.shape[-2], q.shape[-1], v.shape[-2]
-    z = math.prod(chain.batch_shape)
-    scores = torch.bmm(q.reshape(z, m, d), kt.reshape(z, d, n)).view(*chain.batch_shape, m, n)
+    scores = _scores(chain, q, kt)
+    m, n = scores.shape[-2:]
     # The whole chain: with finite speculation, the exact one (the kernel's fast chain is checked against it).
     exact = chain.exact_graph_module is not None
     module = chain.exact_graph_module if exact else chain.graph_module
@@ -281,9 +287,8 @@ def wide_row_scale(row_max: torch.Tensor, logit_scale: float) -> torch.Tensor:
 
 
 def _row_statistics(chain: ScoreChain, q, kt, captured, sizes=()) -> torch.Tensor:
-    m, d, n = q.shape[-2], q.shape[-1], kt.shape[-1]
-    z = math.prod(chain.batch_shape)
-    scores = torch.bmm(q.reshape(z, m, d), kt.reshape(z, d, n)).view(*chain.batch_shape, m, n)
+    scores = _scores(chain, q, kt)
+    z, (m, n) = math.prod(chain.batch_shape), scores.shape[-2:]
     logits = chain.graph_module(scores, *captured, *sizes).float().reshape(z, m, n)
     logit_scale = LOG2E * chain.folded_scale
     if not chain.wide_logits:

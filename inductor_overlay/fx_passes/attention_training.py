@@ -94,19 +94,20 @@ def _operand_of(value: torch.fx.Node, operands: list[torch.fx.Node]) -> Union[in
 def _convex(nodes: set) -> set:
     """``nodes`` with every backward node between two of them (the backward of an op a joint-graph pattern replaced
     in the forward, which lost its number there: a softmax's scale)."""
-    after, frontier = set(), list(nodes)
-    while frontier:
-        for user in frontier.pop().users:
-            if user not in after:
-                after.add(user)
-                frontier.append(user)
-    before, frontier = set(), list(nodes)
-    while frontier:
-        for arg in frontier.pop().all_input_nodes:
-            if arg not in before:
-                before.add(arg)
-                frontier.append(arg)
+    after = _reached(nodes, lambda node: node.users)
+    before = _reached(nodes, lambda node: node.all_input_nodes)
     return nodes | {n for n in after & before if n.op == "call_function" and _backward(n)}
+
+
+def _reached(nodes: set, neighbours) -> set:
+    """The nodes reached from ``nodes`` by following ``neighbours`` one or more times."""
+    reached, frontier = set(), list(nodes)
+    while frontier:
+        for node in neighbours(frontier.pop()):
+            if node not in reached:
+                reached.add(node)
+                frontier.append(node)
+    return reached
 
 
 def match_backward(region: AttentionRegion) -> Union[Decline, RegionBackward]:

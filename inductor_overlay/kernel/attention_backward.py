@@ -17,7 +17,6 @@ import pathlib
 from typing import Any, Optional
 
 import jinja2
-import sympy
 import torch
 from torch._inductor import ir
 from torch._inductor.lowering import empty_strided, register_lowering
@@ -38,8 +37,8 @@ from inductor_overlay.kernel.online_softmax_attention import (
     _score_sized_bytes,
     _size_for_chain,
     _tile,
-    _with_fixed_layout,
     approximates_tanh,
+    score_problem,
 )
 
 _TEMPLATES = pathlib.Path(__file__).parent / "templates"
@@ -106,13 +105,7 @@ def online_softmax_attention_backward_lowering(
     q, kt, v, captured, score_chain, decisions, chain_vjp, lse, delta, dense, grad_out, sizes=()
 ):
     chain = fused_ops.chain_from_arguments(score_chain, decisions)
-    device = q.get_device()
-    captured = [_with_fixed_layout(tensor) for tensor in captured]
-    m, d = q.get_size()[-2:]
-    n, dv = kt.get_size()[-1], v.get_size()[-1]
-    batch_shape = [size.node.expr if isinstance(size, torch.SymInt) else size for size in chain.batch_shape]
-    z = sympy.Mul(*batch_shape)
-    score_size = [*batch_shape, m, n]
+    device, captured, (m, d, n, dv), batch_shape, z, score_size = score_problem(q, kt, v, captured, chain)
     chain_inputs = [*captured, *(_size_for_chain(size, score_size) for size in sizes)]
     fast_tanh = approximates_tanh(device)
     logits = _lower_score_chain(chain.graph_module, chain.score_dtype, score_size, device, chain_inputs, fast_tanh)

@@ -1072,14 +1072,18 @@ def _with_fixed_layout(tensor: Any) -> Any:
         return ir.TensorBox(ir.ExternKernel.realize_input(tensor))
 
 
-def _lower_attention(q, kt, v, captured, sink, chain, group_coefficients=None, pair_values=None, output_batch=None, sizes=(), stores_lse=False):
-    device = q.get_device()
+def score_problem(q, kt, v, captured, chain) -> tuple:
+    """What every lowering of an attention node starts from: the device, the captured tensors realised with fixed
+    layouts, the sizes (m, d, n, dv), the batch dims, their product z and the score tensor's size."""
     captured = [_with_fixed_layout(tensor) for tensor in captured]
     m, d = q.get_size()[-2:]
     n, dv = kt.get_size()[-1], v.get_size()[-1]
     batch_shape = [size.node.expr if isinstance(size, torch.SymInt) else size for size in chain.batch_shape]
-    z = sympy.Mul(*batch_shape)
-    score_size = [*batch_shape, m, n]
+    return q.get_device(), captured, (m, d, n, dv), batch_shape, sympy.Mul(*batch_shape), [*batch_shape, m, n]
+
+
+def _lower_attention(q, kt, v, captured, sink, chain, group_coefficients=None, pair_values=None, output_batch=None, sizes=(), stores_lse=False):
+    device, captured, (m, d, n, dv), batch_shape, z, score_size = score_problem(q, kt, v, captured, chain)
     chains = [chain.graph_module] + ([chain.unmasked_graph_module] if chain.unmasked_graph_module is not None else [])
     id_subgraphs = None
     if chain.id_graph_modules is not None:
