@@ -279,7 +279,7 @@ def main() -> int:
     parser.add_argument("--shapes", default="4x32x4096x64,8x16x2048x128")
     parser.add_argument("--impls", default="eager,compile,flashlight,flex,flex_formula,sdpa")
     parser.add_argument("--dtype", default="bf16", choices=DTYPES)
-    parser.add_argument("--out", default="benchmarks/results/latest")
+    parser.add_argument("--out", default="results/latest")
     parser.add_argument("--table", type=pathlib.Path, help="only rewrite the results.md beside this results.csv")
     args = parser.parse_args()
     if args.table:

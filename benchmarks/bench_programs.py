@@ -217,7 +217,7 @@ def main() -> None:
     parser.add_argument("--max-sizes", type=int, default=0, help="only the first N sizes of each program (0: all)")
     parser.add_argument("--size-indices", default="", help="only these gpu_sizes indices, comma-separated (e.g. 6,7,8)")
     parser.add_argument("--block", action="store_true", help="also time an Evoformer block end to end")
-    parser.add_argument("--out", default="benchmarks/results/latest")
+    parser.add_argument("--out", default="results/latest")
     args = parser.parse_args()
     out_dir = pathlib.Path(args.out)
     stamp, log = start_run(out_dir)

@@ -118,7 +118,7 @@ def main() -> None:
     print(f"Flashlight demo — torch {torch.__version__} — {where}")
     start = time.perf_counter()
     run(shape, dtype, gpu)
-    print("\nPrograms FlexAttention cannot express (issue 6):")
+    print("\nPrograms FlexAttention cannot express:")
     run_programs(gpu)
     print(f"done in {time.perf_counter() - start:.0f} s. 'fused' = one attention kernel, no score matrix in memory (a mask "
           "passed in as a tensor adds the kernels that reduce it to its tile table; a value of the distance n - m, T5's "

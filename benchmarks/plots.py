@@ -1,7 +1,7 @@
 """PNG plots of a benchmark results.csv: TFLOP/s against sequence length, one line per implementation, one panel per
 (H, D), one figure per variant.
 
-    python -m benchmarks.plots benchmarks/results/<run>/results.csv      # writes <run>/plots/<variant>.png
+    python -m benchmarks.plots results/<run>/results.csv      # writes <run>/plots/<variant>.png
 """
 
 from __future__ import annotations

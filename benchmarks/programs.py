@@ -1,4 +1,4 @@
-"""Programs FlexAttention cannot express (issue 6), written the way their authors write them in plain PyTorch.
+"""Programs FlexAttention cannot express, written the way their authors write them in plain PyTorch.
 
 Each program has a function, an input maker (fresh random tensors at a named size), a FLOP count of the work it
 must do, and the structure we expect it to fuse into (number of kernels and of dots per kernel). The tests, the demo

@@ -97,9 +97,9 @@ def draw(seed: int, positions: str | None = None) -> Program:
     program.points = rng.choice([0, 0, 0, 2, 5])
     if program.normalisation in ("softmax", "sinks", "sinks_shifted") and not program.diff_heads and program.layout != "3d":
         program.pair_channels = rng.choice([0, 0, 0, 4, 9])
-    # (Since the twelfth session: it changes the fill, not the rest, of some earlier seeds' position masks.)
+    # (Drawn after the mask: a seed's earlier fields keep their values; only the fill of its position mask may differ.)
     program.finite_fill = program.mask in ("causal", "window", "prefix") and rng.random() < 0.4
-    # A stream of its own (since the twentieth session), so that adding it left every other field of every seed as it was.
+    # A random stream of its own, so that this field leaves every other field of every seed as it is.
     program.positions = positions or random.Random(f"positions:{seed}").choice(POSITIONS)
     if program.positions.startswith("one_arange") and program.M != program.N:
         program.positions = "viewed"

@@ -118,7 +118,7 @@ fast_tanh: bool = os.environ.get("FLASHLIGHT_FAST_TANH", "1") != "0"
 # Under "sdpa" and "unmasked_sdpa", attention SDPA's fused kernels compute exactly (constant scale, no mask or the
 # top-left causal mask, K/V read directly or repeated over query-head groups, fp16/bf16) runs as SDPA on these device
 # types (fx_passes/sdpa_route.py); "flashlight" keeps it fused. On the H100 the route ran causal attention at
-# 0.98-1.03x of eager SDPA over the issue-5 grid, where our causal kernel ran at 0.72-0.90x
+# 0.98-1.03x of eager SDPA over the 20-shape grid, where our causal kernel ran at 0.72-0.90x
 # (benchmarks/results/h100_2026-11-23_causal_sdpa_route/grid/). FLASHLIGHT_SDPA_ROUTE_DEVICES= (empty) turns it off.
 sdpa_route_devices: tuple = tuple(filter(None, os.environ.get("FLASHLIGHT_SDPA_ROUTE_DEVICES", "cuda").split(",")))
 

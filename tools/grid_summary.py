@@ -1,7 +1,7 @@
-"""Summarise a benchmark CSV against issue 5's targets: for each baseline, how many times faster ``flashlight`` ran
+"""Summarise a benchmark CSV against the project's targets: for each baseline, how many times faster ``flashlight`` ran
 (geomean, worst cell, every cell under the target), and which rows computed a wrong output.
 
-    python tools/grid_summary.py benchmarks/results/<run>/results.csv [--ours flashlight]
+    python tools/grid_summary.py results/<run>/results.csv [--ours flashlight]
 
 A cell counts only where both rows ran and neither output is wrong (``bench_attention.wrong_output``).
 """
@@ -19,7 +19,7 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.bench_attention import cases, speedup, wrong_output  # noqa: E402
 
-# Each baseline and the speed-up issue 5 asks of us against it.
+# Each baseline and the speed-up we aim for against it.
 TARGETS = {"flex": 1.0, "flex_formula": 1.0, "sdpa": 0.9, "compile": 5.0}
 
 

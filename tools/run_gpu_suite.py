@@ -1,4 +1,4 @@
-"""The GPU benchmark suite of issue 5: every variant at (B, S) ∈ {(16,1k), (8,2k), (4,4k), (2,8k), (1,16k)},
+"""The GPU benchmark suite (the 20-shape grid): every variant at (B, S) ∈ {(16,1k), (8,2k), (4,4k), (2,8k), (1,16k)},
 H ∈ {16, 32}, D ∈ {64, 128}, bf16 forward, against eager, default torch.compile, FlexAttention and SDPA.
 
 One chunk is one variant at one head dim (ten shapes), sized to finish within a ten-minute call:
@@ -8,7 +8,7 @@ One chunk is one variant at one head dim (ten shapes), sized to finish within a 
     PYTHONPATH=. python tools/run_gpu_suite.py --merge --out DIR      # DIR/results.csv, results.md, plots/*.png
 
 Each chunk writes ``DIR/chunks/<variant>_d<D>/`` through ``benchmarks.bench_attention`` (its CSV has the columns
-issue 5 asks for, with device, versions and date on every row); ``--merge`` joins them and draws the plots.
+the grid asks for, with device, versions and date on every row); ``--merge`` joins them and draws the plots.
 """
 
 from __future__ import annotations
@@ -67,7 +67,7 @@ def main() -> int:
     parser.add_argument("--merge", action="store_true")
     parser.add_argument("--impls", default=IMPLS)
     parser.add_argument("--timeout-s", type=int, default=570, help="per chunk")
-    parser.add_argument("--out", default="benchmarks/results/suite")
+    parser.add_argument("--out", default="results/suite")
     args = parser.parse_args()
     out = pathlib.Path(args.out)
     if args.list:
