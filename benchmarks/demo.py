@@ -104,9 +104,7 @@ def run_programs(gpu: bool, names: Optional[Sequence[str]] = None) -> list[tuple
 
 
 def main() -> None:
-    import warnings
-
-    warnings.filterwarnings("ignore", message="Could not find an active CPU backend")
+    testing.quiet_interpreter_warnings()
     flashlight.enable()
     gpu = torch.cuda.is_available()
     if gpu:

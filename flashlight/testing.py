@@ -28,6 +28,7 @@ import contextlib
 import os
 import re
 import sys
+import warnings
 from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
@@ -189,6 +190,24 @@ def _poisoned_allocator(allocate: Callable[..., torch.Tensor]) -> Callable[..., 
         return poisoned_like(allocate(size, stride, dtype))
 
     return empty_strided_poisoned
+
+
+# Warnings of the CPU harness that say nothing about the program: NumPy's RuntimeWarnings inside Triton's
+# interpreter on values a kernel computes and then masks or discards (exp2 and log of a fully masked row's -inf, casts
+# of a ragged tile's padding; the results themselves are checked), the interpreter's own NumPy deprecation, and
+# Inductor's note that the CPU has no Triton backend (the interpreter is the backend). Filters in pytest's syntax.
+INTERPRETER_WARNINGS = (
+    r"ignore::RuntimeWarning:triton\.runtime\.interpreter",
+    r"ignore::DeprecationWarning:triton\.runtime\.interpreter",
+    "ignore:Could not find an active CPU backend:UserWarning",
+)
+
+
+def quiet_interpreter_warnings() -> None:
+    """``INTERPRETER_WARNINGS`` filtered for the rest of the process (the demo on a CPU machine)."""
+    for category in (RuntimeWarning, DeprecationWarning):
+        warnings.filterwarnings("ignore", category=category, module=r"triton\.runtime\.interpreter")
+    warnings.filterwarnings("ignore", message="Could not find an active CPU backend", category=UserWarning)
 
 
 @contextlib.contextmanager

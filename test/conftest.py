@@ -16,6 +16,7 @@ import torch
 from torch._inductor.utils import fresh_cache
 
 import flashlight
+import flashlight.testing
 
 
 def pytest_addoption(parser):
@@ -25,6 +26,8 @@ def pytest_addoption(parser):
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "full: a long sweep that runs only in the full tier (--full)")
+    for line in flashlight.testing.INTERPRETER_WARNINGS:
+        config.addinivalue_line("filterwarnings", line)
     worker = os.environ.get("PYTEST_XDIST_WORKER")
     if worker:  # pytest-xdist: one Inductor cache root per worker, so concurrent workers never share files
         config._flashlight_cache_root = root = tempfile.mkdtemp(prefix=f"flashlight-{worker}-")

@@ -2,7 +2,7 @@
 
 The CI tier runs the pinned regression seeds and one fixed batch of seeds; the full tier (``--full``) runs
 ``FLASHLIGHT_RANDOM_PROGRAMS`` seeds (240 by default); the long run (`python -m benchmarks.random_programs --count
-10000`) is recorded in README.md. Every seed that ever failed is pinned in REGRESSIONS.
+10000`) is recorded in docs/testing.md. Every seed that ever failed is pinned in REGRESSIONS.
 """
 
 import os
