@@ -49,7 +49,7 @@ def train_on_cpu(fn, operands, extras, grad_seed=0, **overlay):
     from torch._inductor.utils import fresh_cache
 
     torch._dynamo.reset()
-    with testing.cpu_triton(), config.patch(sdpa_pattern_policy="flashlight", **overlay), fresh_cache():
+    with testing.cpu_triton(), config.patch(**{"sdpa_pattern_policy": "flashlight", **overlay}), fresh_cache():
 
         def step():
             out = torch.compile(fn)(*operands, **extras)
@@ -131,6 +131,36 @@ def test_half_precision_training_matches_eager_and_passes_the_gpu_front_end(name
     assert_matches_eager(variant.reference, operands, extras, out, grads, grad)
     assert_fused_training(code, 2 * 40 * 40)
     testing.check_gpu_front_end(code)
+
+
+SDPA_ROUTE = {"sdpa_pattern_policy": "unmasked_sdpa", "sdpa_route_devices": ("cpu",)}
+
+
+@pytest.mark.parametrize("fn", [variants.causal_masked_fill, variants.gpt2_causal_where])
+def test_plain_causal_attention_trains_on_sdpas_kernels(fn):
+    """Where the route gives plain causal attention to SDPA (on the CPU here: its CPU flash kernels), training
+    takes SDPA's forward and backward ops as a pair: no score-sized buffer, gradients as eager's."""
+    operands = [torch.randn(2, 2, 40, 16, dtype=torch.bfloat16).requires_grad_() for _ in range(3)]
+    out, grads, grad, code = train_on_cpu(fn, operands, {}, **SDPA_ROUTE)
+    assert_matches_eager(fn, operands, {}, out, grads, grad)
+    assert counters["inductor"]["flashlight_attention_as_sdpa_for_training"] == 1
+    assert counters["inductor"]["flashlight_attention_fused_for_training"] == 0
+    forward, backward = code
+    FileCheck().check("_scaled_dot_product_flash_attention_for_cpu.default(").check_not("_backward").run(forward)
+    FileCheck().check("_scaled_dot_product_flash_attention_for_cpu_backward.default(").run(backward)
+    assert max(testing.allocated_buffer_numels(code)) < 2 * 2 * 40 * 40
+
+
+@pytest.mark.parametrize("name", ["gqa_causal", "gemma2"])
+def test_attention_sdpa_cannot_take_in_training_stays_ours(name):
+    """Repeated K/V (the gradient SDPA gives is the group's sum, not the repeated operand's) and chains beyond a
+    scale stay with the fused kernels under the route."""
+    variant = variants.VARIANTS[name]
+    operands, extras = operands_of(variant, variants.Shape(B=1, H=4, M=32, N=32, D=16), dtype=torch.bfloat16)
+    out, grads, grad, code = train_on_cpu(variant.reference, operands, extras, **SDPA_ROUTE)
+    assert_matches_eager(variant.reference, operands, extras, out, grads, grad)
+    assert counters["inductor"]["flashlight_attention_as_sdpa_for_training"] == 0
+    assert_fused_training(code, 4 * 32 * 32)
 
 
 def _rows_masked_by_where(q, k, v):

@@ -37,6 +37,8 @@ from inductor_overlay.fx_passes.attention_fusion import TrainingForward, fuse
 from inductor_overlay.fx_passes.attention_region import AttentionRegion, Decline, _looks_like_softmax_input, find_attention
 from inductor_overlay.fx_passes.block_sparsity import is_op as _is
 from inductor_overlay.fx_passes.fx_helpers import _MATMULS, _operand_scale, _val, aten, call_op, prims, subgraph
+from inductor_overlay.fx_passes.sdpa_route import sdpa_call
+from inductor_overlay.fx_passes.sdpa_training import replace_pair_by_sdpa
 
 log = logging.getLogger("flashlight.attention_fusion")
 
@@ -215,19 +217,40 @@ def _insert_backward(region: AttentionRegion, matched: RegionBackward, fwd: Trai
             q, kt, v, fwd.captured, fwd.subgraphs, fwd.decisions, vjp_node, fwd.lse, delta, dense, grad_out,
             list(region.captured_sizes),
         ))
-        grads = [call_op(graph, operator.getitem, (both, i)) for i in range(3)]
-        operands = _operands(region)
-        # A constant c taken off q or k (``_operand_scale``) is in the chain: the kernel's gradient is that of the
-        # unscaled operand, c times the scaled one's.
-        scales = [_operand_scale(region.q.node)[1], _operand_scale(region.kt.node)[1], 1.0]
-        for value, index in matched.grads.items():
-            shape = list(_val(operands[index]).shape)
-            grad = grads[index]
-            if scales[index] != 1.0:
-                grad = call_op(graph, aten.div.Tensor, (grad, scales[index]))
-            if list(_val(grad).shape) != shape:
-                grad = call_op(graph, aten.view.default, (grad, shape))
-            value.replace_all_uses_with(grad)
+        _hand_out(region, matched, [call_op(graph, operator.getitem, (both, i)) for i in range(3)])
+
+
+def _hand_out(region: AttentionRegion, matched: RegionBackward, grads: list) -> None:
+    """R_bwd's outputs replaced by ``grads``, the gradients of the fused op's (scale-free) operands q, kᵀ, v; new
+    nodes go where the caller inserts."""
+    graph = region.pv.graph
+    operands = _operands(region)
+    # A constant c taken off q or k (``_operand_scale``) is in the chain: the kernel's gradient is that of the
+    # unscaled operand, c times the scaled one's.
+    scales = [_operand_scale(region.q.node)[1], _operand_scale(region.kt.node)[1], 1.0]
+    for value, index in matched.grads.items():
+        shape = list(_val(operands[index]).shape)
+        grad = grads[index]
+        if scales[index] != 1.0:
+            grad = call_op(graph, aten.div.Tensor, (grad, scales[index]))
+        if list(_val(grad).shape) != shape:
+            grad = call_op(graph, aten.reshape.default, (grad, shape))
+        value.replace_all_uses_with(grad)
+
+
+def _runs_as_sdpa(region: AttentionRegion, matched: RegionBackward) -> bool:
+    """Attention SDPA computes exactly, under a policy and on a device that give it to SDPA (``sdpa_route``),
+    replaced with its backward by SDPA's pair of kernels (``sdpa_training``); False when it stays ours."""
+    call = sdpa_call(region)
+    if call is None:
+        return False
+    graph = region.pv.graph
+    grads = replace_pair_by_sdpa(region, call, matched.grad_out)
+    if grads is None:
+        return False
+    with graph.inserting_before(grads[1].next):  # the last of them (the permuted dK)
+        _hand_out(region, matched, grads)
+    return True
 
 
 def fuse_attention_for_training(graph: torch.fx.Graph) -> None:
@@ -250,6 +273,10 @@ def fuse_attention_for_training(graph: torch.fx.Graph) -> None:
             log.info("attention not fused for training at %s: %s", pv.name, reason)
             continue
         changed = True
+        if _runs_as_sdpa(region, matched):
+            counters["inductor"]["flashlight_attention_as_sdpa_for_training"] += 1
+            log.info("attention at %s trains on SDPA's forward and backward kernels", pv.name)
+            continue
         try:
             _insert_backward(region, matched, fuse(region, training=True))
         except Exception as error:  # noqa: BLE001  (fault containment, below)

@@ -1,0 +1,93 @@
+"""Training: attention SDPA computes exactly trains on SDPA's forward and backward kernels.
+
+In inference ``sdpa_route`` hands SDPA the attention its fused kernels compute exactly (plain causal, unmasked) on
+the devices where they are faster than ours. In a joint graph the same attention has a backward as well, and
+SDPA's backward kernel (FlashAttention-2's, cuDNN's) is faster than ours there too. So a region that ``sdpa_call``
+gives to SDPA, whose backward ``attention_training.match_backward`` recognised, is replaced as a pair: the forward
+region by SDPA's forward op and the region's backward by SDPA's backward op, both taken from autograd's own joint
+graph of ``scaled_dot_product_attention`` (traced under the graph's fake mode, so the backend is eager's), with the
+same saved values (output, log-sum-exp, the RNG state) that AOTAutograd would keep for it.
+
+Taken only when K and V are not repeated over query-head groups (the gradient of a repeated K is the sum over its
+group, which SDPA's ``enable_gqa`` backward computes for the unrepeated tensor, not for the graph's repeated operand)
+and when both traced ops are fused kernels (not SDPA's math fallback, which would materialise the scores again).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Optional
+
+import torch
+
+from inductor_overlay.fx_passes.chain_modules import _reroute_size_reads
+from inductor_overlay.fx_passes.fx_helpers import _val, aten, call_op
+from inductor_overlay.fx_passes.sdpa_route import _FUSED_SDPA_OPS, SdpaCall, _sdpa_operand
+
+
+def _fused_backward_op(node: torch.fx.Node) -> bool:
+    name = getattr(node.target, "__name__", "")
+    return name.startswith("_scaled_dot_product") and "_backward" in name
+
+
+def sdpa_joint_graph(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad: torch.Tensor, call: SdpaCall) -> torch.fx.GraphModule:
+    """``(q, k, v, grad_out) -> (out, dq, dk, dv)``: autograd's joint graph of SDPA, in the aten ops Inductor lowers
+    (SDPA's forward and backward ops)."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    def joint(q, k, v, grad):
+        with torch.enable_grad():
+            out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=call.is_causal, scale=call.scale)
+            return (out, *torch.autograd.grad(out, (q, k, v), grad))
+
+    with torch._guards.detect_fake_mode([q, k, v, grad]) or contextlib.nullcontext():
+        inputs = [
+            torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device).requires_grad_(i < 3)
+            for i, t in enumerate((q, k, v, grad))
+        ]
+        return make_fx(joint)(*inputs)
+
+
+def _copy_nodes(graph: torch.fx.Graph, nodes: list, env: dict) -> None:
+    for node in nodes:
+        env[node] = graph.node_copy(node, lambda arg: env[arg])
+
+
+def replace_pair_by_sdpa(region, call: SdpaCall, grad_out: torch.fx.Node) -> Optional[list]:
+    """Replace the region's forward by SDPA's forward op and insert SDPA's backward op after ``grad_out``; returns the
+    gradients of the fused op's operands ``[q, kᵀ, v]`` (scale-free, ``fx_helpers._materialise``), or None (nothing
+    changed but dead nodes) when K/V are repeated or SDPA would run its math fallback."""
+    if call.groups != 1 or call.repeated_dims:
+        return None
+    graph = region.pv.graph
+    heads = call.kv_heads
+    with graph.inserting_before(region.pv):
+        q = _sdpa_operand(graph, region.q, call, heads, 0)
+        k = call_op(graph, aten.permute.default, (_sdpa_operand(graph, region.kt, call, heads, 0), [0, 1, 3, 2]))
+        v = _sdpa_operand(graph, region.v, call, heads, 0)
+    out_shape = [*_val(q).shape[:-1], _val(v).shape[-1]]
+    joint = sdpa_joint_graph(_val(q), _val(k), _val(v), _val(q).new_empty(out_shape), call)
+    placeholders = joint.graph.find_nodes(op="placeholder")
+    backward = {placeholders[3]}
+    for node in joint.graph.nodes:
+        if node.op == "call_function" and any(arg in backward for arg in node.all_input_nodes):
+            backward.add(node)
+    forward_ops = [n for n in joint.graph.nodes if n.op == "call_function" and n not in backward]
+    backward_ops = [n for n in joint.graph.nodes if n.op == "call_function" and n in backward]
+    if not any(n.target in _FUSED_SDPA_OPS for n in forward_ops) or not any(map(_fused_backward_op, backward_ops)):
+        return None
+    out, dq, dk, dv = joint.graph.find_nodes(op="output")[0].args[0]
+    env = dict(zip(placeholders[:3], (q, k, v)))
+    with graph.inserting_before(region.pv):
+        _copy_nodes(graph, forward_ops, env)
+        result = call_op(graph, aten.reshape.default, (env[out], list(_val(region.pv).shape)))
+    # After both the output's gradient and SDPA's forward (the gradient may be a graph input, ahead of everything).
+    position = {node: index for index, node in enumerate(graph.nodes)}
+    anchor = grad_out if position[grad_out] > position[result] else result
+    with graph.inserting_before(anchor.next):
+        env[placeholders[3]] = call_op(graph, aten.reshape.default, (grad_out, out_shape))
+        _copy_nodes(graph, backward_ops, env)
+        grads = [env[dq], call_op(graph, aten.permute.default, (env[dk], [0, 1, 3, 2])), env[dv]]
+    _reroute_size_reads(region)
+    region.pv.replace_all_uses_with(result)
+    return grads
