@@ -13,10 +13,8 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import pathlib
 from typing import Any, Optional
 
-import jinja2
 import torch
 from torch._inductor import ir
 from torch._inductor.lowering import empty_strided, register_lowering
@@ -26,6 +24,7 @@ from torch._inductor.virtualized import V
 
 from inductor_overlay import config as overlay_config
 from inductor_overlay import ops as fused_ops
+from inductor_overlay.kernel import template_files
 from inductor_overlay.kernel.online_softmax_attention import (
     LOG2E,
     _autotuned,
@@ -40,21 +39,6 @@ from inductor_overlay.kernel.online_softmax_attention import (
     approximates_tanh,
     score_problem,
 )
-
-_TEMPLATES = pathlib.Path(__file__).parent / "templates"
-# The structural stage of a template: its own delimiters, so that Inductor's {{ }} pass through untouched.
-_STRUCTURE = jinja2.Environment(
-    loader=jinja2.FileSystemLoader(_TEMPLATES),
-    block_start_string="[%",
-    block_end_string="%]",
-    variable_start_string="[[",
-    variable_end_string="]]",
-    comment_start_string="{#",
-    comment_end_string="#}",
-    keep_trailing_newline=True,
-    undefined=jinja2.StrictUndefined,
-)
-
 
 @SymbolicGridFn
 def _grid(z, m, n, meta, *, cdiv):
@@ -71,7 +55,9 @@ def backward_template(
     ids are subgraphs 2 and 3, bounded per tile to skip tiles whose ids are disjoint, as in the forward) and mask
     table (the subgraph of its cell states, or None: tiles all of whose cells are masked are skipped)."""
     offsets = {f"{name.lower()}_offset": _batch_offset(name, rank) for name, rank in zip(("Q", "KT", "V"), batch_ranks)}
-    source = _STRUCTURE.get_template("attention_backward.py.jinja").render(masked_tile=masked_tile_code, wide=wide, ids=ids, table=table, **offsets)
+    source = template_files.render(
+        "attention_backward.py.jinja", masked_tile=masked_tile_code, wide=wide, ids=ids, table=table, **offsets
+    )
     digest = hashlib.sha256(source.encode()).hexdigest()[:10]
     return TritonTemplate(name=f"flashlight_attention_backward_{digest}", grid=_grid, source=source)
 
