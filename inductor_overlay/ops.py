@@ -63,7 +63,7 @@ class ScoreChain:
     # ``[*batch, ⌈M/c⌉, ⌈N/c⌉]`` with c = MASK_TABLE_CELL: the kernel skips tiles all of whose cells are masked.
     mask_table_module: Optional[torch.fx.GraphModule] = None
     # The logits may come near -FLT_MAX (a finfo.min constant, a float tensor read): the kernel keeps its running
-    # max unscaled and scales each row so that it cannot overflow (``RUNNING_MAX_AND_P_WIDE``).
+    # max unscaled and scales each row so that it cannot overflow (the kernel's ``softmax_step``).
     wide_logits: bool = False
     # The size of the leading batch dim when every score-sized tensor the chain reads is shared along it (a per-head
     # bias [H, M, N] under [B, H, M, N] scores): the kernel launches that dim fastest, 0 otherwise.
@@ -274,7 +274,7 @@ FAKE_IMPLS = {
 # kernel's log2 units, ``lse = log2(Σ_N exp2(logits · log2(e)))`` ``[Z, M]`` (-inf for a row whose logits are all
 # -inf), so that ``P = exp2(logits · log2(e) − lse)``; or, for logits that may come near -FLT_MAX (``wide_logits``),
 # the row max in the logits' own units and the sum apart, ``[Z, 2, M]``: there ``m · scale + log2(l)`` would round
-# ``l`` away, and the kernel scales such rows by a power of two (``RUNNING_MAX_AND_P_WIDE``).
+# ``l`` away, and the kernel scales such rows by a power of two (the kernel's ``softmax_step``).
 LOG2E = 1.4426950408889634
 WIDE_ROW_LIMIT = 2.0**30  # |m · scale| from which a row of wide logits takes the smaller, exact scale
 

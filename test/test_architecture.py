@@ -1,6 +1,6 @@
 """The overlay's layering, checked statically: no import cycle inside ``inductor_overlay`` (imports inside functions
-included, since those are how cycles hide), kernels that import no FX pass, and no process-global registry of
-fused nodes."""
+included, since those are how cycles hide), kernels that import no FX pass, kernel sources that are template files
+rather than edited strings, and no process-global registry of fused nodes."""
 
 import ast
 import pathlib
@@ -70,6 +70,29 @@ def test_kernels_import_no_fx_pass():
     for module, targets in graph.items():
         if module.startswith("inductor_overlay.kernel."):
             assert not [t for t in targets if t.startswith("inductor_overlay.fx_passes")], (module, targets)
+
+
+def _string_edits(source: str) -> list[int]:
+    """The lines of ``source`` that call ``.replace(...)`` or ``re.sub``/``re.subn``."""
+    lines = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+            on_re = isinstance(node.func.value, ast.Name) and node.func.value.id == "re"
+            if node.func.attr == "replace" or (on_re and node.func.attr in ("sub", "subn")):
+                lines.append(node.lineno)
+    return lines
+
+
+def test_kernel_sources_are_rendered_not_edited():
+    """A kernel's source is a template file under ``kernel/templates/`` whose structure template variables and macro
+    arguments pick (``kernel/template_files.py``): no kernel module edits source text by string replacement."""
+    edits = {path.name: _string_edits(path.read_text()) for path in (PACKAGE / "kernel").rglob("*.py")}
+    assert len(edits) >= 4 and {name: lines for name, lines in edits.items() if lines} == {}
+
+
+def test_the_string_edit_check_finds_edits():
+    assert _string_edits("source = SOURCE.replace('A', 'B')\nre.sub(r'x', 'y', source)\n") == [1, 2]
+    assert _string_edits("source = render('kernel.jinja', chain=0)\n") == []
 
 
 def test_no_registry_of_fused_nodes():

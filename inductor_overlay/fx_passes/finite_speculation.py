@@ -3,9 +3,9 @@
 The DIFF Transformer's code applies ``nan_to_num`` to its scores, which decomposes into three compares and three
 ``where``s per score; they also hide the chain's constant scale from the exp2 fold and its mask from the loop for
 visible tiles. For finite scores such a guard changes nothing. So the kernel runs a fast chain, where each guard
-``where(isnan(x) | x == ±inf, c, x)`` passes ``x`` through, and checks every row after its loop (``SPECULATION_CHECK``
-in the kernel); a row tile whose check fails runs again with the whole chain. A NaN or a +inf reaching the softmax
-leaves a NaN sum or an infinite running max, which the check finds. A -inf weighs 0 in the fast chain; the guard
+``where(isnan(x) | x == ±inf, c, x)`` passes ``x`` through, and checks every row after its loop (the kernel's
+``speculation_check``); a row tile whose check fails runs again with the whole chain. A NaN or a +inf reaching the
+softmax leaves a NaN sum or an infinite running max, which the check finds. A -inf weighs 0 in the fast chain; the guard
 gives it a value instead (nan_to_num: -FLT_MAX), which the ops up to the softmax carry to some logit g < 0. That
 weighs 0 too whenever the row max exceeds g by more than exp can weigh: the check also requires the row max to lie
 within ±|g|/4 (``speculation_bound``), and speculation needs |g|/4 >= MIN_BOUND.
