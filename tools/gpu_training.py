@@ -4,7 +4,8 @@ Training on the GPU: forward + backward of each variant's first idiom, inputs re
 
 1. Correctness (2×4×512×D, bf16): the output and dq, dk, dv against float64 eager (norm-wise relative error), and
    whether the attention fused for training.
-2. Time (bf16, the given shapes): median of ``triton.testing.do_bench`` of one forward + backward for the overlay,
+2. Time (bf16, the given shapes): median of ``triton.testing.do_bench`` of one forward + backward for the overlay
+   (under the default policy: plain causal attention trains on SDPA's kernels, ``as_sdpa``),
    default ``torch.compile`` (overlay off), FlexAttention (the variant's score_mod / block mask, compiled) and SDPA
    where the variant has one; peak memory of one step beside each. One process, so the ratios compare like with like.
 """
@@ -49,14 +50,15 @@ def check(variant) -> str:
     out = torch.compile(fn, dynamic=False)(q, k, v, **extras)
     grad = torch.randn_like(out)
     out.backward(grad)
-    fused = torch._dynamo.utils.counters["inductor"]["flashlight_attention_fused_for_training"]
+    inductor = torch._dynamo.utils.counters["inductor"]
+    fused, as_sdpa = inductor["flashlight_attention_fused_for_training"], inductor["flashlight_attention_as_sdpa_for_training"]
     ref = [t.detach().double().requires_grad_() for t in (q, k, v)]
     wide = {n: t.double() if t.is_floating_point() else t for n, t in extras.items()}
     expected = fn(*ref, **wide)
     expected.backward(grad.double())
     errors = [_relative(out, expected)] + [_relative(t.grad, r.grad) for t, r in zip((q, k, v), ref)]
     ok = all(e < 2e-2 for e in errors)
-    return f"{'ok ' if ok else 'BAD'} {variant.name:16} fused={fused} errors out/dq/dk/dv " + " ".join(f"{e:.1e}" for e in errors)
+    return f"{'ok ' if ok else 'BAD'} {variant.name:16} fused={fused} as_sdpa={as_sdpa} errors out/dq/dk/dv " + " ".join(f"{e:.1e}" for e in errors)
 
 
 def step_time(run, tensors, extras) -> tuple[float, float]:
@@ -100,9 +102,10 @@ def bench(variant, shape) -> list[str]:
             rows.append(f"  {impl:10} FAILED {type(error).__name__}: {str(error)[:200]}")
             torch.cuda.empty_cache()
             continue
-        fused = torch._dynamo.utils.counters["inductor"]["flashlight_attention_fused_for_training"]
+        inductor = torch._dynamo.utils.counters["inductor"]
+        fused, as_sdpa = inductor["flashlight_attention_fused_for_training"], inductor["flashlight_attention_as_sdpa_for_training"]
         times[impl] = ms
-        note = f" fused={fused}" if impl == "flashlight" else ""
+        note = f" fused={fused} as_sdpa={as_sdpa}" if impl == "flashlight" else ""
         rows.append(f"  {impl:10} {ms:8.3f} ms  peak {peak:8.1f} MiB{note}")
         torch.cuda.empty_cache()
     ours = times.get("flashlight")
@@ -142,6 +145,8 @@ def main() -> None:
     with config.patch(sdpa_pattern_policy="flashlight"):
         for name in names:
             print(check(VARIANTS[name]), flush=True)
+    for name in [name for name in names if name in ("vanilla", "causal", "gpt2_causal")]:
+        print(f"{check(VARIANTS[name])} (default policy: SDPA's kernels)", flush=True)
     if "--check-only" in sys.argv:
         return
     if "--sweep" in sys.argv:
