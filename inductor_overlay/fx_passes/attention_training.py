@@ -16,7 +16,9 @@ own:
 
 The region then becomes ``online_softmax_attention_with_lse`` (the forward, which also saves the rows'
 log-sum-exp) and R_bwd ``online_softmax_attention_backward``; the chain's derivative is the joint graph of the
-chain itself (``chain_vjp_module``), traced by autograd as the user's program was. A region outside the rule
+chain itself (``chain_vjp_module``), traced by autograd as the user's program was. Attention that the SDPA route
+takes in inference (plain causal, on CUDA) takes SDPA's forward and backward kernels instead (``sdpa_training``).
+A region outside the rule
 (a bias that needs its gradient, a sink, a pair reduction, logits near -FLT_MAX, a dynamic shape) is left to
 upstream, with the reason in the log (``TORCH_LOGS=flashlight``).
 """
