@@ -182,6 +182,24 @@ def _numpy_reductions(reduce_elementwise: Callable[..., Any]) -> Callable[..., A
     return apply_impl
 
 
+def _boolean_comparisons() -> dict[str, Callable[..., Any]]:
+    """The interpreter's comparisons with the type Triton gives them, int1. Its own record the left operand's type, so
+    a comparison of a scalar (a per-head value loaded once per program), once broadcast against a tile, becomes a
+    tensor of 0.0 and 1.0 in that type, and ``|`` with a boolean tile fails in NumPy; the GPU compiler types it int1."""
+    from triton.runtime.interpreter import InterpreterBuilder, TensorHandle
+
+    def boolean(compare: Callable[..., Any]) -> Callable[..., Any]:
+        def compare_as_int1(self: Any, lhs: Any, rhs: Any) -> Any:
+            return TensorHandle(np.asarray(compare(self, lhs, rhs).data, dtype=np.bool_), tl.int1)
+
+        return compare_as_int1
+
+    import triton.language as tl
+
+    names = [name for name in vars(InterpreterBuilder) if name.startswith(("create_fcmp", "create_icmp"))]
+    return {name: boolean(getattr(InterpreterBuilder, name)) for name in names}
+
+
 def _poisoned_allocator(allocate: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
     """Buffers that compiled code allocates on the CPU start as NaN (or an extreme integer), so an element a kernel
     forgets to write shows up in the comparison with eager instead of passing on leftover memory."""
@@ -219,7 +237,7 @@ def cpu_triton() -> Iterator[None]:
     import triton.language as tl
     from triton.language.extra import libdevice
     from triton.runtime.driver import driver
-    from triton.runtime.interpreter import ReduceOps
+    from triton.runtime.interpreter import InterpreterBuilder, ReduceOps
     from triton.runtime.jit import JITFunction
 
     guards = torch._C._dynamo.guards
@@ -232,6 +250,7 @@ def cpu_triton() -> Iterator[None]:
         stack.enter_context(mock.patch.object(tl, "inline_asm_elementwise", _numpy_inline_asm))
         stack.enter_context(mock.patch.object(JITFunction, "__call__", _interpreted_device_function_call()))
         stack.enter_context(mock.patch.object(ReduceOps, "apply_impl", _numpy_reductions(ReduceOps.apply_impl)))
+        stack.enter_context(mock.patch.multiple(InterpreterBuilder, **_boolean_comparisons()))
         stack.enter_context(
             mock.patch.object(guards, "_empty_strided_cpu", _poisoned_allocator(guards._empty_strided_cpu))
         )

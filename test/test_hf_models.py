@@ -75,3 +75,34 @@ def test_swin_shifted_window_attention_fuses_without_a_fault():
     # The scores: 2 images × 4 windows × 4 heads × 16 × 16 elements; the largest other tensor holds 2048.
     assert max(testing.allocated_buffer_numels(code)) < 2 * 4 * 4 * 16 * 16
     testing.assert_close_to_reference(out, expected, rtol=1e-4, atol=1e-4)
+
+
+def test_swin_v2_scaled_cosine_attention_fuses():
+    """Swin V2: cosine scores (normalised q and k), a learned per-head logit scale clamped and exponentiated (read
+    once per program), a continuous position bias from a small MLP over a coordinate table, gathered per head and
+    squashed by 16·sigmoid; in the shifted block the window mask is added on a ``[B/nW, nW, H, N, N]`` view of the
+    scores (``score_views`` lifts that view to the matmul, the per-head scale and bias regrouped with it). Both
+    attentions fuse, nothing falls back, no buffer holds a window's scores, and the output matches eager."""
+    from transformers import Swinv2Config, Swinv2Model
+
+    torch.manual_seed(0)
+    config = Swinv2Config(image_size=16, patch_size=2, num_channels=3, embed_dim=16, depths=[2], num_heads=[4],
+                          window_size=4, mlp_ratio=1.0, attn_implementation="eager")
+    model = Swinv2Model(config).eval()
+    with torch.no_grad():
+        model.embeddings.norm.weight.normal_()  # (random, so that a wrong row is visible after the norm)
+    pixels = torch.randn(2, 3, 16, 16)
+    with torch.no_grad():
+        expected = model(pixels).last_hidden_state
+        with testing.cpu_triton():
+            out, code = testing.compile_and_get_code(lambda x: model(x).last_hidden_state, pixels)
+    assert counters["inductor"]["flashlight_attention_fused"] == 2
+    assert counters["inductor"]["flashlight_fault_fallback"] == 0
+    kernels = testing.triton_kernels(code)
+    assert sum("for start_n in range(" in text for text in kernels.values()) == 2
+    # The scores: 2 images × 4 windows × 4 heads × 16 × 16 = 8192 elements; the one larger buffer is the position
+    # bias MLP's hidden layer, (2·4 − 1)² coordinates × 512.
+    numels = testing.allocated_buffer_numels(code)
+    assert 2 * 4 * 4 * 16 * 16 not in numels
+    assert sorted(numels)[-2:] == [sorted(numels)[-2], 49 * 512] and sorted(numels)[-2] < 2 * 4 * 4 * 16 * 16
+    testing.assert_close_to_reference(out, expected, rtol=1e-4, atol=1e-4)

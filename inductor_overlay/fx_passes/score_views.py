@@ -90,19 +90,52 @@ def _pointwise(node: object) -> bool:
     return _elementwise(node) and len(node.users) == 1
 
 
+def _dim_groups(before: tuple, after: tuple) -> Optional[list[tuple[range, range]]]:
+    """The reshape from ``before`` to ``after`` as groups of consecutive dims with equal products (a split, a merge or
+    a dim kept), or None when the sizes do not factor that way."""
+    groups, i, j = [], 0, 0
+    while i < len(before) or j < len(after):
+        start_i, start_j, left, right = i, j, 1, 1
+        while i < len(before) or j < len(after):
+            if left <= right and i < len(before):
+                left, i = left * before[i], i + 1
+            elif j < len(after):
+                right, j = right * after[j], j + 1
+            else:
+                return None
+            if left == right and (i == len(before) or before[i] != 1 or j == len(after)):
+                break
+        if left != right:
+            return None
+        groups.append((range(start_i, i), range(start_j, j)))
+    return groups
+
+
 def _regrouped_shape(operand: object, before: tuple, after: tuple) -> Optional[object]:
     """The shape ``operand`` takes so that it broadcasts against the output regrouped from ``before`` to ``after``
-    batch dims as it did before: its own batch dims regrouped, or all ones; ``()`` where it needs no change (a
-    scalar, or no batch dims: it broadcasts from the right); None where it has only some of the batch dims."""
+    batch dims as it did before: in each group of dims the reshape splits or merges, its own sizes regrouped, or all
+    ones where it is broadcast over the whole group; ``()`` where it needs no change (a scalar, or no batch dims: it
+    broadcasts from the right); None where it is broadcast over only part of a group."""
     value = operand.meta.get("val") if isinstance(operand, torch.fx.Node) else None
     if not isinstance(value, torch.Tensor) or value.dim() <= 2:
         return ()
     lead, rest = tuple(value.shape[: value.dim() - 2]), list(value.shape[value.dim() - 2 :])
-    if lead == before:
-        return [*after, *rest]
-    if len(lead) == len(before) and all(size == 1 for size in lead):
-        return [*(1 for _ in after), *rest]
-    return None
+    if len(lead) > len(before):
+        return None
+    lead = (1,) * (len(before) - len(lead)) + lead  # broadcast from the right
+    groups = _dim_groups(before, after)
+    if groups is None:
+        return None
+    shape = []
+    for source, target in groups:
+        sizes = [lead[d] for d in source]
+        if sizes == [before[d] for d in source]:
+            shape += [after[d] for d in target]
+        elif all(size == 1 for size in sizes):
+            shape += [1] * len(target)
+        else:
+            return None
+    return [*shape, *rest]
 
 
 def _lifts_to_a_matmul(view: torch.fx.Node) -> bool:
@@ -112,8 +145,8 @@ def _lifts_to_a_matmul(view: torch.fx.Node) -> bool:
     stack = [view.args[0]]
     while stack:
         node = stack.pop()
-        if is_op(node, _MATMULS):
-            return True
+        if is_op(node, _MATMULS) or (is_op(node, _RESHAPES) and is_op(node.args[0], _MATMULS)):
+            return True  # (a view of the matmul: the new view of it is one view of the matmul)
         if not _pointwise(node):
             continue
         operands = node.all_input_nodes
