@@ -9,8 +9,9 @@ chain registered with ``softmax=False`` meets V directly: ``out[z] = chain(q[z] 
 
 The node describes itself: ``chain`` and the other GraphModules of its :class:`ScoreChain` (the chain without its
 masks, the id and table subgraphs, the exact chain of speculation) are subgraphs of the graph's own module, passed
-as get_attr nodes (``score_chain``), and the pass's decisions (block-skipping tests, scales, dtypes, flags) are a
-plain dict beside them (``decisions``). The node's target is the Python function that computes its meaning eagerly;
+as get_attr nodes (``score_chain``), and the pass's decisions (block-skipping formulas, scales, dtypes, flags) are a
+plain dict beside them (``decisions``; a formula as ``sympy.srepr`` text, since FX writes a node's arguments into
+Python code, where a sympy object would not read back). The node's target is the Python function that computes its meaning eagerly;
 Inductor lowers it to the kernel (``kernel/online_softmax_attention.py``). Nothing lives in process state, so the
 graph can be printed, copied or compiled again on its own. Each operand keeps the
 batch dims it had before the matmul flattened them (q ``[*bq, M, D]``, kt ``[*bk, D, N]``, v ``[*bv, N, Dv]``, each
@@ -30,11 +31,17 @@ import dataclasses
 import math
 from typing import Optional
 
+import sympy
 import torch
 
 
 # Dimension elimination keeps a whole head dim in one tile; above this a tile would not fit in registers.
 MAX_HEAD_DIM = 256
+
+# The positions a mask's formula speaks of, a score's row m and column n: ``fx_passes/block_sparsity.py`` derives
+# formulas over them from the user's own mask expression, ``kernel/tile_tests.py`` bounds them over a tile.
+ROW = sympy.Symbol("m", integer=True, nonnegative=True)
+COL = sympy.Symbol("n", integer=True, nonnegative=True)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,12 +52,18 @@ class ScoreChain:
     batch_shape: tuple  # leading dims of the score tensor; their product is Z
     score_dtype: torch.dtype  # dtype of q @ kt in the user's graph
     probability_dtype: torch.dtype  # dtype the probabilities had when they met v
-    masked_tile_code: Optional[str] = None  # Triton test that a tile is entirely -inf by position (block skipping)
+    # Where the chain sets a logit to -inf by position, a formula over ROW and COL (block skipping): the kernel skips
+    # the tiles on every element of which it holds. None: no position mask, or block skipping off.
+    masked_formula: Optional[sympy.Boolean] = None
     softmax: bool = True  # False: no normalisation, the chain's output meets V (sigmoid attention, (A·B)·C)
-    # The chain without its position-mask ``where``s, and the Triton test that a tile is entirely unmasked: such
-    # tiles run this chain instead (no per-element mask math). None: every tile runs the whole chain.
+    # The chain without the masks it may drop on tiles they leave entirely visible: such tiles run this chain
+    # instead (no per-element mask math). None: every tile runs the whole chain. What it dropped tells the kernel
+    # which tiles those are: position masks (their formula holds nowhere on the tile), an id-equality mask alone in
+    # its ``where`` (all the tile's ids are one value), the mask a table summarises (no cell of the tile masks).
     unmasked_graph_module: Optional[torch.fx.GraphModule] = None
-    visible_tile_code: Optional[str] = None
+    visible_formula: Optional[sympy.Boolean] = None
+    drops_id_mask: bool = False
+    drops_table_mask: bool = False
     sink_scale: float = 1.0  # the softmax's logit scale, applied to the sink logit as to the others
     # A positive constant factor of the chain's output that the fusion pass took out of the chain: the kernel
     # applies it with log2(e) (``fx_passes/logit_scale.py``).
@@ -90,10 +103,24 @@ SUBGRAPH_NAMES = {
 }
 
 
+# The fields of a ScoreChain that hold position formulas: the fused node carries them as text.
+FORMULA_FIELDS = ("masked_formula", "visible_formula")
+
+
+def formula_text(formula: Optional[sympy.Basic]) -> Optional[str]:
+    """A formula as plain data for a node's arguments: its ``sympy.srepr``, which ``formula_of`` reads back."""
+    return None if formula is None else sympy.srepr(formula)
+
+
+def formula_of(text: Optional[str]) -> Optional[sympy.Basic]:
+    return None if text is None else sympy.sympify(text)
+
+
 def chain_arguments(chain: ScoreChain) -> tuple[dict, dict]:
     """``chain`` as the fused node's two arguments: its subgraphs (by field) and its decisions (plain data)."""
     decisions = {field.name: getattr(chain, field.name) for field in dataclasses.fields(chain)}
     subgraphs = {name: decisions.pop(name) for name in SUBGRAPH_NAMES}
+    decisions.update({name: formula_text(decisions[name]) for name in FORMULA_FIELDS})
     return {name: module for name, module in subgraphs.items() if module is not None}, decisions
 
 
@@ -120,7 +147,9 @@ def run_differentiably(module: torch.fx.GraphModule, *args) -> torch.Tensor:
 
 
 def chain_from_arguments(subgraphs: dict, decisions: dict) -> ScoreChain:
-    return ScoreChain(**decisions, **{name: _module(subgraph) for name, subgraph in subgraphs.items()})
+    formulas = {name: formula_of(decisions[name]) for name in FORMULA_FIELDS}
+    modules = {name: _module(subgraph) for name, subgraph in subgraphs.items()}
+    return ScoreChain(**{**decisions, **formulas}, **modules)
 
 
 def output_shape(batch_shape, m, dv, groups: int = 1, output_batch=None) -> list:
@@ -203,9 +232,10 @@ class MaskSummary:
     graph_module: torch.fx.GraphModule  # (scores, *captured, *sizes) -> the bias; the scores are not read
     shape: tuple
     absorbing_gap: float
-    # Triton expression over a block's bounds (m_lo, m_hi, n_lo, n_hi), true where every row of the block holds the
-    # same bias (``block_sparsity.row_invariant_block_code``); None where that is not known.
-    row_invariant_when: Optional[str] = None
+    # The position formulas over ROW and COL through which the bias varies along the rows
+    # (``block_sparsity.row_position_formulas``): every row of a block where each is constant holds the same bias
+    # (``kernel/tile_tests.row_invariant_test``). None where that is not known.
+    row_formulas: Optional[tuple] = None
 
 
 def cell_shape(shape) -> list:
@@ -236,13 +266,22 @@ def mask_cell_states(summary: MaskSummary, bias: torch.Tensor) -> torch.Tensor:
 def mask_cell_states_of(captured, bias, decisions, sizes=()):
     """The table node's meaning, run eagerly: ``bias`` is the summary's subgraph, ``decisions`` the rest of its
     MaskSummary (plain data). Inductor lowers it to the table kernel instead."""
-    summary = MaskSummary(graph_module=_module(bias), **decisions)
+    summary = summary_from_arguments(bias, decisions)
     return mask_cell_states(summary, summary.graph_module(None, *captured, *sizes))
 
 
 def mask_summary_arguments(summary: MaskSummary) -> tuple[torch.fx.GraphModule, dict]:
+    """``summary`` as the table node's arguments: its bias's subgraph and the rest (plain data)."""
     fields = {field.name: getattr(summary, field.name) for field in dataclasses.fields(summary)}
+    if summary.row_formulas is not None:
+        fields["row_formulas"] = tuple(formula_text(formula) for formula in summary.row_formulas)
     return fields.pop("graph_module"), fields
+
+
+def summary_from_arguments(bias, decisions: dict) -> MaskSummary:
+    rows = decisions["row_formulas"]
+    formulas = None if rows is None else tuple(formula_of(text) for text in rows)
+    return MaskSummary(graph_module=_module(bias), **{**decisions, "row_formulas": formulas})
 
 
 def mask_cell_states_fake(captured, bias, decisions, sizes=()):

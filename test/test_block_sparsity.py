@@ -10,9 +10,11 @@ from torch.testing import FileCheck
 from benchmarks import variants
 from flashlight import testing
 from inductor_overlay import config
+from inductor_overlay import ops
 from inductor_overlay.fx_passes import block_sparsity
+from inductor_overlay.kernel import tile_tests
 
-m, n = block_sparsity.ROW, block_sparsity.COL
+m, n = ops.ROW, ops.COL
 
 
 def _tile_is_masked(code, m_lo, m_hi, n_lo, n_hi):
@@ -34,7 +36,7 @@ def _tile_is_masked(code, m_lo, m_hi, n_lo, n_hi):
 )
 def test_tile_test_is_sound_against_brute_force(formula):
     """A tile called fully masked must have every element masked (checked on every small tile)."""
-    code = block_sparsity.fully_masked_tile_code(formula)
+    code = tile_tests.masked_tile_test(formula)
     assert code is not None
     masked_at = sympy.lambdify((m, n), formula)
     skipped = 0
@@ -49,9 +51,39 @@ def test_tile_test_is_sound_against_brute_force(formula):
 
 
 def test_causal_tile_test_is_exact():
-    code = block_sparsity.fully_masked_tile_code(sympy.Gt(n, m))
+    code = tile_tests.masked_tile_test(sympy.Gt(n, m))
     assert _tile_is_masked(code, 0, 15, 16, 31)
     assert not _tile_is_masked(code, 16, 31, 16, 31)
+
+
+def test_formulas_travel_as_data_and_tests_are_rendered_by_the_kernel():
+    """The pass hands the kernel formulas (text in the node's decisions, read back exactly); the kernel renders them,
+    the id and table summaries by their flags."""
+    causal = sympy.Gt(n, m)
+    assert ops.formula_of(ops.formula_text(causal)) == causal
+    chain = ops.ScoreChain(None, (1,), torch.float32, torch.float32, visible_formula=causal, drops_table_mask=True)
+    assert tile_tests.visible_tile_test(chain) == f"({tile_tests._tile_codes(causal)[1]}) & ((table_hi == 0))"
+
+
+def product_of_positions(q, k, v):
+    rows, cols = torch.arange(q.shape[-2])[:, None], torch.arange(k.shape[-2])[None, :]
+    scores = q @ k.transpose(-2, -1) * 0.25
+    return torch.softmax(torch.where(rows * cols > 900, float("-inf"), scores), dim=-1) @ v
+
+
+def test_a_formula_the_tile_tests_cannot_bound_gives_no_test():
+    """A mask over positions that interval arithmetic does not bound (a product of positions) gives no test: no tile
+    is skipped, none runs the chain without its mask (one loop), and the result is eager's."""
+    product = sympy.Gt(m * n, 900)
+    assert tile_tests.masked_tile_test(product) is None
+    chain = ops.ScoreChain(None, (1,), torch.float32, torch.float32, visible_formula=product)
+    assert tile_tests.visible_tile_test(chain) is None
+    q, k, v = (torch.randn(1, 2, 70, 16) for _ in range(3))
+    with testing.cpu_triton():
+        out, code = testing.compile_and_get_code(product_of_positions, q, k, v)
+    kernel = "\n".join(testing.triton_kernels(code).values())
+    assert testing.column_tile_loops(kernel) == 1 and "for scan_n in range(" not in kernel
+    testing.assert_close_to_reference(out, product_of_positions(q.double(), k.double(), v.double()))
 
 
 def window(q, k, v, width=20):

@@ -17,6 +17,7 @@ from flashlight import testing
 from inductor_overlay import ops
 from inductor_overlay.fx_passes import block_sparsity, post_grad  # noqa: F401  (registers the lowerings)
 from inductor_overlay.fx_passes.fx_helpers import call_op, subgraph
+from inductor_overlay.kernel import tile_tests
 
 LOWEST = torch.finfo(torch.float32).min
 
@@ -186,7 +187,7 @@ def test_rows_vary_only_through_position_formulas(fn, varies_through):
         assert formulas is None
         return
     assert formulas is not None and len(formulas) == 1
-    m, n = block_sparsity.ROW, block_sparsity.COL
+    m, n = ops.ROW, ops.COL
     expected = sympy.sympify(varies_through, locals={"m": m, "n": n})
     at = sympy.lambdify((m, n), formulas[0])
     want = sympy.lambdify((m, n), expected)
@@ -198,7 +199,7 @@ def test_blocks_called_row_invariant_hold_one_row_of_bias(fn):
     """Soundness against brute force: wherever the generated test calls a block row-invariant, every row of the
     block holds the bias of its first row; and it says so for most blocks away from the formula's edges."""
     mask = torch.randint(0, 2, (2, 60))
-    code = block_sparsity.row_invariant_block_code(_formulas(fn, [mask]))
+    code = tile_tests.row_invariant_test(_formulas(fn, [mask]))
     bias = fn(mask)
     called = 0
     for m_lo in range(0, 60, 5):
@@ -215,9 +216,9 @@ def test_blocks_called_row_invariant_hold_one_row_of_bias(fn):
 
 def _summary_with_row_blocks(fn, captured, shape) -> ops.MaskSummary:
     summary = _summary_of(fn, captured, shape)
-    code = block_sparsity.row_invariant_block_code(_formulas(fn, captured))
-    assert code is not None
-    return ops.MaskSummary(summary.graph_module, summary.shape, summary.absorbing_gap, code)
+    formulas = tuple(_formulas(fn, captured))
+    assert tile_tests.row_invariant_test(formulas) is not None
+    return ops.MaskSummary(summary.graph_module, summary.shape, summary.absorbing_gap, formulas)
 
 
 @pytest.mark.parametrize("rows", [200, 256, 300])

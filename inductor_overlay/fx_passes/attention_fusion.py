@@ -11,20 +11,15 @@ import math
 import operator
 from typing import Any, Optional
 
-import sympy
 import torch
 from torch._dynamo.utils import counters
 
 from inductor_overlay import config
 from inductor_overlay.fx_passes.block_sparsity import (
     ABSORBING_FILL,
-    IDS_ALL_EQUAL,
-    TABLE_CELLS_UNMASKED,
     IdMask,
     absorbing_fill_masks,
     fill_is_true_branch,
-    fully_masked_tile_code,
-    fully_visible_tile_code,
     matched_additive_mask,
     matched_id_masks,
     matched_tensor_masks,
@@ -103,18 +98,6 @@ def _summarised_id_mask(region: AttentionRegion) -> Optional[IdMask]:
     known = set(region.chain) | set(region.captured)
     masks = matched_id_masks(region.chain, region.score_root)
     return next((mask for mask in masks if {mask.rows, mask.columns} <= known), None)
-
-
-def _visible_tile_code(formula: Optional[sympy.Boolean], id_mask: Optional[IdMask], table_drops_mask: bool) -> str:
-    """The test that none of the dropped masks masks any element of a tile: position masks by their formula, an
-    id-equality mask alone in its ``where`` when all the tile's ids are one value, a mask tensor alone in its
-    ``where`` (or an additive mask) when its table says no cell of the tile masks anything."""
-    parts = [fully_visible_tile_code(formula)] if formula is not None else []
-    if id_mask is not None and id_mask.alone:
-        parts.append(IDS_ALL_EQUAL)
-    if table_drops_mask:
-        parts.append(TABLE_CELLS_UNMASKED)
-    return " & ".join(f"({part})" for part in parts)
 
 
 def _logits_may_near_float_max(region: AttentionRegion, absorbing_fills: frozenset, skipped: frozenset) -> bool:
@@ -246,9 +229,8 @@ def fuse(
     if droppable and config.split_visible_tiles:
         unmasked = _score_chain_module(region, frozenset(droppable), guards)
     split = unmasked is not None and _worth_a_visible_loop(unmasked, region, drops_mask_loads)
-    visible_tile_code = _visible_tile_code(formula, id_mask, drops_mask_loads) if split else None
     chain_module, unmasked_module, folded_scale = _folded_chains(
-        region, _score_chain_module(region, guards=guards), unmasked if visible_tile_code else None, fills
+        region, _score_chain_module(region, guards=guards), unmasked if split else None, fills
     )
     exact_module, exact_scale = None, 1.0
     if guards:
@@ -258,12 +240,16 @@ def fuse(
         batch_shape=tuple(score_shape[:-2]) or (1,),
         score_dtype=_val(region.qk).dtype,
         probability_dtype=region.probability_dtype,
-        masked_tile_code=fully_masked_tile_code(skippable) if config.block_skipping else None,
+        masked_formula=skippable if config.block_skipping else None,
         softmax=region.softmax,
         sink_scale=region.logit_scale,
         unmasked_graph_module=unmasked_module,
         folded_scale=folded_scale,
-        visible_tile_code=visible_tile_code,
+        # What the unmasked chain dropped: position masks (their formula), an id-equality mask alone in its
+        # ``where``, a mask tensor alone in its ``where`` or an additive mask (its table).
+        visible_formula=formula if split else None,
+        drops_id_mask=split and id_mask is not None and id_mask.alone,
+        drops_table_mask=split and drops_mask_loads,
         pair_dtype=_val(region.pair.result).dtype if region.pair is not None else None,
         id_graph_modules=None if id_mask is None else tuple(
             _chain_value_module(region, ids, list(score_shape)) for ids in (id_mask.rows, id_mask.columns)

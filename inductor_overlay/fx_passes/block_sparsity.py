@@ -2,15 +2,16 @@
 
 A score chain often contains ``where(cond, -inf, x)`` (``masked_fill``) where ``cond`` depends only on the
 positions m and n (causal, sliding window, prefix-LM, block-causal ...). This module turns such a ``cond`` into a
-sympy formula over the symbols ``m`` and ``n`` and, from it, into Triton code that decides — by interval arithmetic
-over a tile's row range ``[m_lo, m_hi]`` and column range ``[n_lo, n_hi]`` — whether ``cond`` holds for every
-element of the tile. Such a tile contributes exp(-inf) = 0 to every sum: the kernel can skip it exactly. A fully
+sympy formula over the position symbols ``ops.ROW`` and ``ops.COL``; the fused node carries it, and the kernel
+(``kernel/tile_tests.py``) renders from it the Triton test that decides, by interval arithmetic over a tile's row
+and column ranges, whether ``cond`` holds for every element of the tile. Such a tile contributes exp(-inf) = 0 to
+every sum: the kernel can skip it exactly. A fully
 masked row then gets 0/0 = NaN, exactly as eager does. A finite fill (GPT-2's ``finfo.min``) counts as -inf only
 where it provably absorbs (``absorbing_fill_masks``): every row keeps a key and the fill lies far enough below; eager
 gives a row that keeps no key the mean of V, so other finite fills (-1e4) stay per-element only.
 
 Anything the analysis does not understand (tensor loads, scores, unknown ops) makes the mask "unknown", and the
-kernel simply visits every tile.
+kernel simply visits every tile; so does a formula the kernel's interval arithmetic does not bound.
 """
 
 from __future__ import annotations
@@ -22,12 +23,10 @@ from typing import Optional
 import sympy
 import torch
 
-from inductor_overlay.ops import TABLE_CELL
+from inductor_overlay.ops import COL, ROW, TABLE_CELL
 
 aten = torch.ops.aten
 prims = torch.ops.prims
-
-ROW, COL = sympy.Symbol("m", integer=True, nonnegative=True), sympy.Symbol("n", integer=True, nonnegative=True)
 
 
 class Unknown(Exception):
@@ -329,7 +328,7 @@ def matched_id_masks(chain: list[torch.fx.Node], scores: torch.fx.Node) -> list[
     """Every id-equality mask of the chain. The ids are integer tensors read from memory, so no formula bounds
     them; the kernel bounds them per tile at run time instead: a tile whose row ids and column ids span disjoint
     intervals has no equal pair, so it is entirely masked (``ids_disjoint``); one whose ids are all one value is
-    entirely kept by the mask (``IDS_ALL_EQUAL``)."""
+    entirely kept by the mask (``tile_tests.IDS_ALL_EQUAL``)."""
     found = []
     for node in chain:
         terms = masked_terms(node) or []
@@ -460,13 +459,6 @@ def matched_additive_mask(chain: list[torch.fx.Node], logits: torch.fx.Node, sco
     return AdditiveMask(add, bias) if value.shape[-2] == 1 or shared_by_heads else None
 
 
-# Over the row tile's id range [row_id_lo, row_id_hi] and the column ids of SCAN_TILES tiles ([SCAN_TILES, BLOCK_N]).
-IDS_ALL_EQUAL = "((row_id_lo == row_id_hi) & (tl.min(col_ids, 1) == row_id_lo) & (tl.max(col_ids, 1) == row_id_lo))"
-
-# Over the states of the cells of SCAN_TILES tiles (the pre-pass's ``table_hi``): no cell masks any element.
-TABLE_CELLS_UNMASKED = "(table_hi == 0)"
-
-
 def is_op(node: object, targets: object) -> bool:
     """Whether ``node`` calls ``targets`` (one op or a tuple of them)."""
     targets = targets if isinstance(targets, tuple) else (targets,)
@@ -495,89 +487,6 @@ def depends_on(node: torch.fx.Node, target: torch.fx.Node, memo: dict) -> bool:
     if node not in memo:
         memo[node] = any(depends_on(arg, target, memo) for arg in node.all_input_nodes)
     return memo[node]
-
-
-# ---------------------------------------------------------------------------------------------- interval codegen
-class _Interval:
-    """Triton source for the lower and upper bound of an integer expression over a tile."""
-
-    def __init__(self, lo: str, hi: str) -> None:
-        self.lo, self.hi = lo, hi
-
-
-def _interval(expr: sympy.Expr, bounds: dict) -> _Interval:
-    if expr in bounds:
-        return bounds[expr]
-    if expr.is_Integer:
-        return _Interval(str(int(expr)), str(int(expr)))
-    if isinstance(expr, sympy.Add):
-        parts = [_interval(a, bounds) for a in expr.args]
-        return _Interval("(" + " + ".join(p.lo for p in parts) + ")", "(" + " + ".join(p.hi for p in parts) + ")")
-    if isinstance(expr, sympy.Mul) and len(expr.args) == 2 and expr.args[0].is_Integer:
-        factor, inner = int(expr.args[0]), _interval(expr.args[1], bounds)
-        lo, hi = f"({factor} * {inner.lo})", f"({factor} * {inner.hi})"
-        return _Interval(lo, hi) if factor >= 0 else _Interval(hi, lo)
-    if isinstance(expr, sympy.floor) and isinstance(expr.args[0], sympy.Mul):
-        numerator, denominator = expr.args[0].as_numer_denom()
-        if denominator.is_Integer and int(denominator) > 0:
-            inner = _interval(numerator, bounds)
-            return _Interval(f"({inner.lo} // {int(denominator)})", f"({inner.hi} // {int(denominator)})")
-    if isinstance(expr, sympy.Abs):
-        inner = _interval(expr.args[0], bounds)
-        lo = f"tl.where({inner.lo} > 0, {inner.lo}, tl.where({inner.hi} < 0, -({inner.hi}), 0))"
-        return _Interval(lo, f"tl.maximum(-({inner.lo}), {inner.hi})")
-    raise Unknown(expr)
-
-
-def _always(formula: sympy.Boolean, bounds: dict) -> tuple[str, str]:
-    """Triton source for (formula holds on every element of the tile, formula holds on none)."""
-    if formula is sympy.true:
-        return "True", "False"
-    if formula is sympy.false:
-        return "False", "True"
-    if isinstance(formula, sympy.Not):
-        everywhere, nowhere = _always(formula.args[0], bounds)
-        return nowhere, everywhere
-    if isinstance(formula, (sympy.And, sympy.Or)):
-        parts = [_always(a, bounds) for a in formula.args]
-        if isinstance(formula, sympy.And):
-            return "(" + " & ".join(p[0] for p in parts) + ")", "(" + " | ".join(p[1] for p in parts) + ")"
-        # An Or holds everywhere if one of its parts does (sound, not complete); nowhere if every part holds nowhere.
-        return "(" + " | ".join(p[0] for p in parts) + ")", "(" + " & ".join(p[1] for p in parts) + ")"
-    if isinstance(formula, sympy.core.relational.Relational):
-        difference = _interval(formula.lhs - formula.rhs, bounds)  # lhs - rhs over the tile
-        lo, hi = difference.lo, difference.hi
-        rules = {
-            sympy.LessThan: (f"({hi} <= 0)", f"({lo} > 0)"),
-            sympy.StrictLessThan: (f"({hi} < 0)", f"({lo} >= 0)"),
-            sympy.GreaterThan: (f"({lo} >= 0)", f"({hi} < 0)"),
-            sympy.StrictGreaterThan: (f"({lo} > 0)", f"({hi} <= 0)"),
-            sympy.Equality: (f"(({lo} == 0) & ({hi} == 0))", f"(({lo} > 0) | ({hi} < 0))"),
-            sympy.Unequality: (f"(({lo} > 0) | ({hi} < 0))", f"(({lo} == 0) & ({hi} == 0))"),
-        }
-        return rules[type(formula)]
-    raise Unknown(formula)
-
-
-def _tile_codes(formula: Optional[sympy.Boolean]) -> tuple[Optional[str], Optional[str]]:
-    if formula is None:
-        return None, None
-    bounds = {ROW: _Interval("m_lo", "m_hi"), COL: _Interval("n_lo", "n_hi")}
-    try:
-        return _always(formula, bounds)
-    except Unknown:
-        return None, None
-
-
-def fully_masked_tile_code(formula: Optional[sympy.Boolean]) -> Optional[str]:
-    """Triton expression, over m_lo, m_hi, n_lo, n_hi, that is true when every element of the tile is masked."""
-    return _tile_codes(formula)[0]
-
-
-def fully_visible_tile_code(formula: Optional[sympy.Boolean]) -> Optional[str]:
-    """Triton expression, over m_lo, m_hi, n_lo, n_hi, that is true when no element of the tile is masked: there the
-    mask's ``where`` may be dropped from the chain."""
-    return _tile_codes(formula)[1]
 
 
 # ------------------------------------------------------------------------------------------- row-invariant blocks
@@ -612,14 +521,3 @@ def row_position_formulas(value: torch.fx.Node) -> Optional[list[sympy.Boolean]]
                 return None
             pending.append((arg, arg_row, arg_col))
     return formulas
-
-
-def row_invariant_block_code(formulas: Optional[list[sympy.Boolean]]) -> Optional[str]:
-    """Triton expression, over m_lo, m_hi, n_lo, n_hi, true where each formula is constant over the block (so the
-    value it describes is the same on every row of the block); None if a formula cannot be bounded."""
-    if formulas is None:
-        return None
-    parts = [_tile_codes(formula) for formula in formulas]
-    if any(everywhere is None for everywhere, _ in parts):
-        return None
-    return " & ".join(f"({everywhere} | {nowhere})" for everywhere, nowhere in parts) or "True"

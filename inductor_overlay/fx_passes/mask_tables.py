@@ -17,7 +17,6 @@ from inductor_overlay.fx_passes.block_sparsity import (
     MASK_TABLE_CELL,
     AdditiveMask,
     TensorMask,
-    row_invariant_block_code,
     row_position_formulas,
 )
 from inductor_overlay import ops
@@ -48,11 +47,10 @@ def _mask_table(graph: torch.fx.Graph, region: AttentionRegion, mask: Union[Tens
     kernel does; a mask read from memory gets Inductor's reductions, which run at memory speed."""
     if isinstance(mask, AdditiveMask) and _computed_from_small_tensors(region, mask.bias):
         shape = tuple(_val(mask.bias).shape)
-        row_invariant_when = None
-        if config.row_invariant_mask_blocks:
-            row_invariant_when = row_invariant_block_code(row_position_formulas(mask.bias))
+        formulas = row_position_formulas(mask.bias) if config.row_invariant_mask_blocks else None
         summary = MaskSummary(
-            _chain_value_module(region, mask.bias, list(shape)), shape, ABSORBING_BIAS_GAP, row_invariant_when
+            _chain_value_module(region, mask.bias, list(shape)), shape, ABSORBING_BIAS_GAP,
+            None if formulas is None else tuple(formulas),
         )
         bias, decisions = ops.mask_summary_arguments(summary)
         inputs = (list(region.captured), subgraph(graph, bias, "mask_bias"), decisions, list(region.captured_sizes))

@@ -5,8 +5,8 @@ log-sum-exp, runs the user's chain on it (the forward's own subgraph) and the ch
 ``fx_passes/attention_training.chain_vjp_module``), and accumulates dK and dV per column tile and dQ per row tile
 in separate programs of one launch. Tiles the position mask leaves entirely masked, whose ids an id-equality mask
 keeps apart, or all of whose cells a mask table marks masked (a mask passed in as a tensor, HF's additive masks) are
-skipped as in the forward, by the same tests (``ScoreChain.masked_tile_code``, the id and table subgraphs), from
-both sides.
+skipped as in the forward, by the same tests (``tile_tests.masked_tile_test`` of ``ScoreChain.masked_formula``, the
+id and table subgraphs), from both sides.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from torch._inductor.virtualized import V
 
 from inductor_overlay import config as overlay_config
 from inductor_overlay import ops as fused_ops
-from inductor_overlay.kernel import template_files
+from inductor_overlay.kernel import template_files, tile_tests
 from inductor_overlay.kernel.online_softmax_attention import (
     LOG2E,
     _autotuned,
@@ -133,7 +133,8 @@ def online_softmax_attention_backward_lowering(
     fp32_dot = q.get_dtype() == torch.float32
     wide = not all(expr_fits_within_32bit(t.get_layout().storage_size()) for t in [*operands, *captured])
     template = backward_template(
-        ranks, chain.masked_tile_code, chain.wide_logits, chain.id_graph_modules is not None, table
+        ranks, tile_tests.masked_tile_test(chain.masked_formula), chain.wide_logits, chain.id_graph_modules is not None,
+        table,
     )
     logit_scale = LOG2E * chain.folded_scale
     choices: list[Any] = []

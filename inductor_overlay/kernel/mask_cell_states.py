@@ -23,10 +23,10 @@ from torch._inductor.lowering import empty_strided, lowerings, register_lowering
 from torch._inductor.select_algorithm import SymbolicGridFn, TritonTemplate, autotune_select_algorithm
 from torch._inductor.utils import expr_fits_within_32bit
 
-from inductor_overlay.kernel import template_files
+from inductor_overlay.kernel import template_files, tile_tests
 from inductor_overlay.kernel.online_softmax_attention import _lower_score_chain, _size_for_chain
 from inductor_overlay import ops as fused_ops
-from inductor_overlay.ops import CELL_KEEPS, CELL_MIXED, CELL_SKIPPED, TABLE_CELL, MaskSummary, cell_shape
+from inductor_overlay.ops import CELL_KEEPS, CELL_MIXED, CELL_SKIPPED, TABLE_CELL, cell_shape
 
 aten = torch.ops.aten
 
@@ -57,7 +57,7 @@ def mask_cells_template(row_invariant_when: Optional[str]) -> TritonTemplate:
 
 @register_lowering(fused_ops.mask_cell_states_of, type_promotion_kind=None)
 def mask_cell_states_lowering(captured, bias, decisions, sizes=()):
-    summary = MaskSummary(graph_module=bias.graph_module, **decisions)
+    summary = fused_ops.summary_from_arguments(bias, decisions)
     for tensor in captured:
         tensor.realize()
         tensor.freeze_layout()
@@ -70,7 +70,7 @@ def mask_cell_states_lowering(captured, bias, decisions, sizes=()):
     layout = ir.FixedLayout(device, torch.int8, out_size, ir.FlexibleLayout.contiguous_strides(out_size))
     wide = not all(expr_fits_within_32bit(t.get_layout().storage_size()) for t in captured)
     row_tile = TABLE_CELL if rows > 1 else 1
-    row_invariant_when = summary.row_invariant_when if row_tile > 1 else None
+    row_invariant_when = tile_tests.row_invariant_test(summary.row_formulas) if row_tile > 1 else None
     widest = TILE["BLOCK_N"] if row_invariant_when is None else ROW_INVARIANT_BLOCK_N
     block_n = min(widest, max(TABLE_CELL, 1 << (columns - 1).bit_length()))  # a power of two ≥ CELL
     # Scratch: each row's largest bias per cell, and whether each cell is all 0.

@@ -39,7 +39,7 @@ from torch.utils._sympy.functions import ModularIndexing
 
 from inductor_overlay import config as overlay_config
 from inductor_overlay import ops as fused_ops
-from inductor_overlay.kernel import template_files
+from inductor_overlay.kernel import template_files, tile_tests
 
 
 aten = torch.ops.aten
@@ -104,19 +104,20 @@ def online_softmax_attention_template(
 ) -> TritonTemplate:
     """The kernel template (``templates/online_softmax_attention.py.jinja``) for operands with the given numbers of
     batch dims (q, kᵀ, v and, if there is a fourth, the sink), position mask (tests for entirely masked and entirely
-    visible tiles, Triton expressions over the tile's bounds), normalisation (softmax, or none), head groups (1: no combination), pair
-    reduction (the per-pair tensor's batch dims, or None), output batch dims (their sizes; one dim, of any size, for
-    a flattened batch), id-equality mask (the subgraphs of its row and column ids, or None), mask tensor (the
-    subgraph of its cell states, or None) and whether logits may come near -FLT_MAX (the wide running max), and the
-    subgraph of the whole chain when the loops run it without its finite guards (speculation), or None;
-    ``shared_v``: the heads of a group share one pass (a softmax with no sink, pair reduction, id mask or mask
-    table); ``stores_lse``: the kernel also writes the rows' log-sum-exp (training; one head, a softmax)."""
+    visible tiles, Triton expressions over the tile's bounds from ``tile_tests.py``), normalisation (softmax, or
+    none), head groups (1: no combination), pair reduction (the per-pair tensor's batch dims, or None), output batch
+    dims (their sizes; one dim, of any size, for a flattened batch), id-equality mask (the subgraphs of its row and
+    column ids, or None), mask tensor (the subgraph of its cell states, or None) and whether logits may come near
+    -FLT_MAX (the wide running max), and the subgraph of the whole chain when the loops run it without its finite
+    guards (speculation), or None; ``shared_v``: the heads of a group share one pass (a softmax with no sink, pair
+    reduction, id mask or mask table); ``stores_lse``: the kernel also writes the rows' log-sum-exp (training; one
+    head, a softmax)."""
     names, ranks = _kernel_inputs(batch_ranks, groups, shared_v, pair_rank, stores_lse)
     # What the lowerings make: speculation only for a softmax with no sink or pair reduction, no head groups in
     # training or with a pair reduction.
     assert exact_subgraph is None or (softmax and pair_rank is None and "SINK" not in names)
     assert pair_rank is None or groups == 1
-    assert not stores_lse or (softmax and groups == 1 and exact_subgraph is None)
+    assert not stores_lse or (softmax and groups == 1 and pair_rank is None and exact_subgraph is None)
     if shared_v:
         assert softmax and groups > 1 and id_subgraphs is None and table_subgraph is None and "SINK" not in names
     source = template_files.render(
@@ -567,9 +568,18 @@ def score_problem(q, kt, v, captured, chain) -> tuple:
     return q.get_device(), captured, (m, d, n, dv), batch_shape, sympy.Mul(*batch_shape), [*batch_shape, m, n]
 
 
+def _tile_tests(chain: Any) -> tuple[Optional[str], Optional[str]]:
+    """The Triton tests of entirely masked and entirely visible tiles (``tile_tests.py``), from the chain's masks. A
+    chain whose dropped masks no test bounds (a formula interval arithmetic does not bound) has no visible tiles: its
+    unmasked form is not used."""
+    visible = tile_tests.visible_tile_test(chain) if chain.unmasked_graph_module is not None else None
+    return tile_tests.masked_tile_test(chain.masked_formula), visible
+
+
 def _lower_attention(q, kt, v, captured, sink, chain, group_coefficients=None, pair_values=None, output_batch=None, sizes=(), stores_lse=False):
     device, captured, (m, d, n, dv), batch_shape, z, score_size = score_problem(q, kt, v, captured, chain)
-    chains = [chain.graph_module] + ([chain.unmasked_graph_module] if chain.unmasked_graph_module is not None else [])
+    masked_tile, visible_tile = _tile_tests(chain)
+    chains = [chain.graph_module] + ([chain.unmasked_graph_module] if visible_tile is not None else [])
     id_subgraphs = None
     if chain.id_graph_modules is not None:
         id_subgraphs = (len(chains), len(chains) + 1)
@@ -632,9 +642,9 @@ def _lower_attention(q, kt, v, captured, sink, chain, group_coefficients=None, p
     # Inductor sizes a template's index dtype by its named inputs and output only; the chain also indexes the
     # captured tensors, at positions the template computes.
     wide = not all(expr_fits_within_32bit(t.get_layout().storage_size()) for t in [*operands, *captured])
-    visible_loop = chain.unmasked_graph_module is not None
+    visible_loop = visible_tile is not None
     template_key = (
-        ranks, chain.masked_tile_code, chain.softmax, groups, chain.visible_tile_code if visible_loop else None, pair_rank,
+        ranks, masked_tile, chain.softmax, groups, visible_tile, pair_rank,
         tuple(output_batch) if output_batch is not None else (0,), id_subgraphs, table_subgraph, chain.wide_logits,
         exact_subgraph, shared_v, stores_lse,
     )
@@ -643,7 +653,7 @@ def _lower_attention(q, kt, v, captured, sink, chain, group_coefficients=None, p
     choices: list[Any] = []
     element_bytes, columns = _score_sized_bytes(captured, m, n), V.graph.sizevars.size_hint(n)
     # A chain whose tiles a mask may skip keeps the tiles its mask's rules give it, however light its arithmetic.
-    skips_tiles = _skips_tiles(chain.masked_tile_code, chain.visible_tile_code, id_subgraphs, table_subgraph)
+    skips_tiles = _skips_tiles(masked_tile, visible_tile, id_subgraphs, table_subgraph)
     configs = kernel_configs(
         d, dv, device, channels, element_bytes=element_bytes, columns=columns, visible_loop=visible_loop,
         mask_table=chain.mask_table_module is not None, shared_v_heads=groups if shared_v else 1,

@@ -1,0 +1,133 @@
+"""Triton tests over a tile, rendered from the fused node's data: which tiles a mask leaves entirely masked or entirely
+visible, and over which blocks an additive mask holds the same bias on every row.
+
+The FX pass decides what a mask is (``fx_passes/block_sparsity.py``): a formula over the position symbols
+``ops.ROW`` and ``ops.COL`` derived from the user's own mask expression, and flags for masks no formula bounds (an
+id-equality mask, a mask table). This module renders them as Triton expressions over the kernels' own names: a tile's
+row range [m_lo, m_hi] and column range [n_lo, n_hi], the pre-pass's id range [row_id_lo, row_id_hi] and column ids,
+and its cell states. A formula's test is interval arithmetic over the tile, sound but not complete: a tile it calls
+entirely masked is, but it may miss some. A formula it cannot bound gives no test (the kernel visits every tile).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Sequence
+
+import sympy
+
+from inductor_overlay.ops import COL, ROW
+
+# Over the row tile's id range [row_id_lo, row_id_hi] and the column ids of SCAN_TILES tiles ([SCAN_TILES, BLOCK_N]).
+IDS_ALL_EQUAL = "((row_id_lo == row_id_hi) & (tl.min(col_ids, 1) == row_id_lo) & (tl.max(col_ids, 1) == row_id_lo))"
+
+# Over the states of the cells of SCAN_TILES tiles (the pre-pass's ``table_hi``): no cell masks any element.
+TABLE_CELLS_UNMASKED = "(table_hi == 0)"
+
+
+class Unbounded(Exception):
+    """The formula has a term that interval arithmetic over a tile does not bound."""
+
+
+class _Interval:
+    """Triton source for the lower and upper bound of an integer expression over a tile."""
+
+    def __init__(self, lo: str, hi: str) -> None:
+        self.lo, self.hi = lo, hi
+
+
+def _interval(expr: sympy.Expr, bounds: dict) -> _Interval:
+    if expr in bounds:
+        return bounds[expr]
+    if expr.is_Integer:
+        return _Interval(str(int(expr)), str(int(expr)))
+    if isinstance(expr, sympy.Add):
+        parts = [_interval(a, bounds) for a in expr.args]
+        return _Interval("(" + " + ".join(p.lo for p in parts) + ")", "(" + " + ".join(p.hi for p in parts) + ")")
+    if isinstance(expr, sympy.Mul) and len(expr.args) == 2 and expr.args[0].is_Integer:
+        factor, inner = int(expr.args[0]), _interval(expr.args[1], bounds)
+        lo, hi = f"({factor} * {inner.lo})", f"({factor} * {inner.hi})"
+        return _Interval(lo, hi) if factor >= 0 else _Interval(hi, lo)
+    if isinstance(expr, sympy.floor) and isinstance(expr.args[0], sympy.Mul):
+        numerator, denominator = expr.args[0].as_numer_denom()
+        if denominator.is_Integer and int(denominator) > 0:
+            inner = _interval(numerator, bounds)
+            return _Interval(f"({inner.lo} // {int(denominator)})", f"({inner.hi} // {int(denominator)})")
+    if isinstance(expr, sympy.Abs):
+        inner = _interval(expr.args[0], bounds)
+        lo = f"tl.where({inner.lo} > 0, {inner.lo}, tl.where({inner.hi} < 0, -({inner.hi}), 0))"
+        return _Interval(lo, f"tl.maximum(-({inner.lo}), {inner.hi})")
+    raise Unbounded(expr)
+
+
+def _always(formula: sympy.Boolean, bounds: dict) -> tuple[str, str]:
+    """Triton source for (formula holds on every element of the tile, formula holds on none)."""
+    if formula is sympy.true:
+        return "True", "False"
+    if formula is sympy.false:
+        return "False", "True"
+    if isinstance(formula, sympy.Not):
+        everywhere, nowhere = _always(formula.args[0], bounds)
+        return nowhere, everywhere
+    if isinstance(formula, (sympy.And, sympy.Or)):
+        parts = [_always(a, bounds) for a in formula.args]
+        if isinstance(formula, sympy.And):
+            return "(" + " & ".join(p[0] for p in parts) + ")", "(" + " | ".join(p[1] for p in parts) + ")"
+        # An Or holds everywhere if one of its parts does (sound, not complete); nowhere if every part holds nowhere.
+        return "(" + " | ".join(p[0] for p in parts) + ")", "(" + " & ".join(p[1] for p in parts) + ")"
+    if isinstance(formula, sympy.core.relational.Relational):
+        difference = _interval(formula.lhs - formula.rhs, bounds)  # lhs - rhs over the tile
+        lo, hi = difference.lo, difference.hi
+        rules = {
+            sympy.LessThan: (f"({hi} <= 0)", f"({lo} > 0)"),
+            sympy.StrictLessThan: (f"({hi} < 0)", f"({lo} >= 0)"),
+            sympy.GreaterThan: (f"({lo} >= 0)", f"({hi} < 0)"),
+            sympy.StrictGreaterThan: (f"({lo} > 0)", f"({hi} <= 0)"),
+            sympy.Equality: (f"(({lo} == 0) & ({hi} == 0))", f"(({lo} > 0) | ({hi} < 0))"),
+            sympy.Unequality: (f"(({lo} > 0) | ({hi} < 0))", f"(({lo} == 0) & ({hi} == 0))"),
+        }
+        return rules[type(formula)]
+    raise Unbounded(formula)
+
+
+def _tile_codes(formula: Optional[sympy.Boolean]) -> tuple[Optional[str], Optional[str]]:
+    """(formula holds on every element of the tile [m_lo, m_hi] × [n_lo, n_hi], holds on none), or Nones."""
+    if formula is None:
+        return None, None
+    bounds = {ROW: _Interval("m_lo", "m_hi"), COL: _Interval("n_lo", "n_hi")}
+    try:
+        return _always(formula, bounds)
+    except Unbounded:
+        return None, None
+
+
+def masked_tile_test(formula: Optional[sympy.Boolean]) -> Optional[str]:
+    """The test that every element of a tile is masked, for ``formula``: where the chain sets a logit to -inf."""
+    return _tile_codes(formula)[0]
+
+
+def visible_tile_test(chain: Any) -> Optional[str]:
+    """The test that none of the masks the chain's unmasked form dropped (``ops.ScoreChain``) masks any element of
+    a tile: position masks by their formula, an id-equality mask when all the tile's ids are one value, the mask a
+    table summarises when no cell of the tile masks anything. None: no tile is known visible (a formula that cannot
+    be bounded), so the tiles have no loop of their own."""
+    parts = []
+    if chain.visible_formula is not None:
+        parts.append(_tile_codes(chain.visible_formula)[1])
+    if chain.drops_id_mask:
+        parts.append(IDS_ALL_EQUAL)
+    if chain.drops_table_mask:
+        parts.append(TABLE_CELLS_UNMASKED)
+    if not parts or None in parts:
+        return None
+    return " & ".join(f"({part})" for part in parts)
+
+
+def row_invariant_test(formulas: Optional[Sequence[sympy.Boolean]]) -> Optional[str]:
+    """The test that each formula is constant over a block [m_lo, m_hi] × [n_lo, n_hi] (so the value they describe
+    is the same on every row of the block); None if a formula cannot be bounded."""
+    if formulas is None:
+        return None
+    parts = [_tile_codes(formula) for formula in formulas]
+    if any(everywhere is None for everywhere, _ in parts):
+        return None
+    return " & ".join(f"({everywhere} | {nowhere})" for everywhere, nowhere in parts) or "True"
