@@ -29,6 +29,11 @@ POSITIONS = ["separate", "viewed", "expanded", "one_arange", "one_arange_unsquee
 # What turns logits into the weights of V: a softmax (most programs), a softmax with a sink column (gpt-oss, and the
 # form that subtracts the row max first), a sigmoid, or nothing (a plain chained matmul; drawn without a mask).
 NORMALISATIONS = ["softmax"] * 4 + ["sinks", "sinks_shifted", "sigmoid", "none"]
+# Captured tensors that meet each other before they meet the scores (Swin's shifted windows): a per-head bias plus a
+# per-batch mask of another broadcast shape, a table gathered at the relative position plus that mask, a table
+# gathered through a captured index buffer plus a mask computed from positions (Swin's form), or the mask added on a
+# view of the scores that splits the batch dim (windows), viewed back for the softmax.
+COMBINED = ["none"] * 6 + ["bias_plus_mask", "gathered_plus_mask", "indexed_plus_region_mask", "window_view"]
 
 
 @dataclasses.dataclass
@@ -53,6 +58,7 @@ class Program:
     pair_channels: int = 0  # IPA: a second output, the probabilities reduced against a [B, M, N, C] pair tensor
     finite_fill: bool = False  # position masks fill with finfo.min (GPT-2's idiom) instead of -inf
     positions: str = "separate"  # one of POSITIONS
+    combined: str = "none"  # one of COMBINED
 
     @property
     def kv_heads(self) -> int:
@@ -62,7 +68,8 @@ class Program:
         return (f"seed={self.seed} {self.layout} B{self.B} H{self.H}/{self.kv_heads} M{self.M} N{self.N} "
                 f"D{self.D} Dv{self.Dv} {str(self.dtype)[6:]} mod={self.score_mod} mask={self.mask} "
                 f"upcast={self.upcast} scale_on={self.scale_on} norm={self.normalisation} diff={int(self.diff_heads)} "
-                f"points={self.points} pair={self.pair_channels} finite_fill={int(self.finite_fill)} positions={self.positions}")
+                f"points={self.points} pair={self.pair_channels} finite_fill={int(self.finite_fill)} positions={self.positions}"
+                f"{'' if self.combined == 'none' else ' combined=' + self.combined}")
 
 
 def draw(seed: int, positions: str | None = None) -> Program:
@@ -103,6 +110,10 @@ def draw(seed: int, positions: str | None = None) -> Program:
     program.positions = positions or random.Random(f"positions:{seed}").choice(POSITIONS)
     if program.positions.startswith("one_arange") and program.M != program.N:
         program.positions = "viewed"
+    # A stream of its own too; drawn only where the scores reach a softmax over [B, H, M, N] with nothing after it.
+    combined = random.Random(f"combined:{seed}").choice(COMBINED)
+    if program.normalisation == "softmax" and not program.diff_heads and not program.pair_channels:
+        program.combined = combined
     return program
 
 
@@ -132,6 +143,12 @@ def make_inputs(p: Program) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]
         "k_points": rand(p.B, p.H, p.N, max(p.points, 1), 3),
         "pair": rand(p.B, p.M, p.N, max(p.pair_channels, 1)),
     }
+    # From a generator of their own, so that adding them left every other input of every seed as it was.
+    combined = torch.Generator().manual_seed(p.seed + 1_000_003)
+    extras["head_bias"] = torch.randn(p.H, p.M, p.N, generator=combined).to(p.dtype)
+    extras["window_mask"] = torch.where(torch.rand(p.B, 1, p.M, p.N, generator=combined) > 0.25, 0.0, -100.0).to(p.dtype)
+    extras["table"] = torch.randn(p.M + p.N - 1, p.H, generator=combined).to(p.dtype)
+    extras["relative_index"] = torch.arange(p.N)[None, :] - torch.arange(p.M)[:, None] + p.M - 1  # a buffer, [M, N]
     return [q, k, v], extras
 
 
@@ -151,11 +168,29 @@ def _positions(p: Program, device) -> tuple[torch.Tensor, torch.Tensor]:
     return rows, cols
 
 
+def _combined_captured(p: Program, s, rows, cols, head_bias, window_mask, table, relative_index):
+    """``p.combined``: captured tensors that meet before the scores."""
+    if p.combined == "bias_plus_mask":
+        return s + (head_bias + window_mask).to(s.dtype)  # [H, M, N] + [B, 1, M, N]
+    if p.combined == "gathered_plus_mask":
+        relative = table[(cols - rows + p.M - 1).expand(p.M, p.N)].permute(2, 0, 1)  # [H, M, N]
+        return s + (relative + window_mask).to(s.dtype)
+    if p.combined == "indexed_plus_region_mask":
+        region_mask = torch.where(rows // 4 != cols // 4, -100.0, 0.0)  # [M, N], from positions in the graph
+        return s + (table[relative_index].permute(2, 0, 1) + region_mask).to(s.dtype)
+    if p.combined == "window_view":  # Swin's block: a gathered bias, then the window mask on a view of the scores
+        s = s + table[relative_index].permute(2, 0, 1).to(s.dtype)
+        windows = s.view(1, p.B, p.H, p.M, p.N) + window_mask.unsqueeze(0).to(s.dtype)  # [1, nW, 1, M, N]
+        return windows.view(p.B, p.H, p.M, p.N)
+    return s
+
+
 def build(p: Program) -> Callable:
     """The program as plain PyTorch, the way a user would write it for this combination."""
     kv_heads = p.kv_heads
 
-    def program(q, k, v, bias, keep, additive, lengths, doc, sinks, lam, q_points, k_points, pair):
+    def program(q, k, v, bias, keep, additive, lengths, doc, sinks, lam, q_points, k_points, pair, head_bias,
+                window_mask, table, relative_index):
         if p.layout == "bshd":
             q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         if kv_heads != p.H:
@@ -188,6 +223,7 @@ def build(p: Program) -> Callable:
             s = s + torch.relu(bias).to(s.dtype) * 2
         elif p.score_mod == "abs_distance":
             s = s - (0.1 * (rows - cols).abs()).to(s.dtype)
+        s = _combined_captured(p, s, rows, cols, head_bias, window_mask, table, relative_index)
         if p.points:
             distance = ((q_points.unsqueeze(-3) - k_points.unsqueeze(-4)) ** 2).sum(dim=(-1, -2))
             s = s - (0.05 * distance).to(s.dtype)

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from flashlight import testing
+from inductor_overlay import config
 
 pytest.importorskip("transformers")
 
@@ -35,12 +36,13 @@ CI_CASES = {("llama", True), ("gpt2", False), ("t5", True), ("xglm", True)}
     for family in hf_models.FAMILIES for padded in (False, True)
 ])
 def test_hf_model_attention_fuses_and_matches_eager(family, padded):
+    """Fault containment off: a fault in the overlay raises here instead of falling back behind a warning."""
     torch.manual_seed(0)
     model = hf_models.build(family, hidden=128, heads=8, layers=1, **SMALL_OVERRIDES.get(family.name, {}))
     ids, mask = hf_models.token_inputs(2, 40, padded)
     with torch.no_grad():
         expected = hf_models.forward(model, ids, mask)
-        with testing.cpu_triton():
+        with testing.cpu_triton(), config.patch(fault_containment=False):
             out, code = testing.compile_and_get_code(lambda i, m: hf_models.forward(model, i, m), ids, mask)
     assert counters["inductor"]["flashlight_attention_fused"] == family.attentions_per_layer
     assert counters["inductor"]["flashlight_fault_fallback"] == 0
@@ -67,7 +69,8 @@ def test_swin_shifted_window_attention_fuses_without_a_fault():
     with torch.no_grad():
         expected = model(pixels).last_hidden_state
         with testing.cpu_triton():
-            out, code = testing.compile_and_get_code(lambda x: model(x).last_hidden_state, pixels)
+            with config.patch(fault_containment=False):
+                out, code = testing.compile_and_get_code(lambda x: model(x).last_hidden_state, pixels)
     assert counters["inductor"]["flashlight_attention_fused"] == 2  # two blocks, the second with shifted windows
     assert counters["inductor"]["flashlight_fault_fallback"] == 0
     kernels = testing.triton_kernels(code)
@@ -86,16 +89,17 @@ def test_swin_v2_scaled_cosine_attention_fuses():
     from transformers import Swinv2Config, Swinv2Model
 
     torch.manual_seed(0)
-    config = Swinv2Config(image_size=16, patch_size=2, num_channels=3, embed_dim=16, depths=[2], num_heads=[4],
-                          window_size=4, mlp_ratio=1.0, attn_implementation="eager")
-    model = Swinv2Model(config).eval()
+    swin = Swinv2Config(image_size=16, patch_size=2, num_channels=3, embed_dim=16, depths=[2], num_heads=[4],
+                        window_size=4, mlp_ratio=1.0, attn_implementation="eager")
+    model = Swinv2Model(swin).eval()
     with torch.no_grad():
         model.embeddings.norm.weight.normal_()  # (random, so that a wrong row is visible after the norm)
     pixels = torch.randn(2, 3, 16, 16)
     with torch.no_grad():
         expected = model(pixels).last_hidden_state
         with testing.cpu_triton():
-            out, code = testing.compile_and_get_code(lambda x: model(x).last_hidden_state, pixels)
+            with config.patch(fault_containment=False):
+                out, code = testing.compile_and_get_code(lambda x: model(x).last_hidden_state, pixels)
     assert counters["inductor"]["flashlight_attention_fused"] == 2
     assert counters["inductor"]["flashlight_fault_fallback"] == 0
     kernels = testing.triton_kernels(code)

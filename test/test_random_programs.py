@@ -16,6 +16,11 @@ REGRESSIONS = {
     34: ("separate", "size-1 batch dims made a constant position that Inductor shaped like the template's x range (fault)"),
     100075: ("one_arange", "a window built from one arange read as |n - n|: its mask dropped from every tile (the code before ad41820)"),
 }
+# Captured tensors that meet before the scores (``random_programs.COMBINED``): one seed of each form, pinned, each of
+# which must fuse. The window view (Swin's mask on a view of the scores that splits the batch dim) was declined until
+# batch views lifted through a gathered per-head bias onto a view of the matmul.
+COMBINED_SEEDS = {"bias_plus_mask": 100026, "gathered_plus_mask": 200102, "indexed_plus_region_mask": 200009,
+                  "window_view": 100002}
 CI_COUNT = int(os.environ.get("FLASHLIGHT_RANDOM_PROGRAMS", "240"))
 BATCH = 40
 
@@ -25,6 +30,14 @@ def test_regression_seeds(seed):
     program = random_programs.draw(seed, positions=REGRESSIONS[seed][0])
     ok, _, detail = random_programs.check(program)
     assert ok, f"{program.describe()}: {detail}"
+
+
+@pytest.mark.parametrize("form,seed", sorted(COMBINED_SEEDS.items()))
+def test_captured_tensors_combined_before_the_scores_fuse(form, seed):
+    program = random_programs.draw(seed)
+    assert program.combined == form
+    ok, fused, detail = random_programs.check(program)
+    assert ok and fused, f"{program.describe()}: fused={fused} {detail}"
 
 
 # The first batch runs in the CI tier, the others in the full tier.
