@@ -145,8 +145,10 @@ def _lifts_to_a_matmul(view: torch.fx.Node) -> bool:
     stack = [view.args[0]]
     while stack:
         node = stack.pop()
-        if is_op(node, _MATMULS) or (is_op(node, _RESHAPES) and is_op(node.args[0], _MATMULS)):
-            return True  # (a view of the matmul: the new view of it is one view of the matmul)
+        while is_op(node, _RESHAPES):  # views of the matmul: the new view of them is one more view of it
+            node = node.args[0]
+        if is_op(node, _MATMULS):
+            return True
         if not _pointwise(node):
             continue
         operands = node.all_input_nodes
