@@ -151,10 +151,22 @@ def test_plain_causal_attention_trains_on_sdpas_kernels(fn):
     assert max(testing.allocated_buffer_numels(code)) < 2 * 2 * 40 * 40
 
 
-@pytest.mark.parametrize("name", ["gqa_causal", "gemma2"])
+@pytest.mark.parametrize("name", ["gqa_causal", "mqa"])
+def test_grouped_kv_trains_on_sdpas_kernels_reading_kv_unrepeated(name):
+    """K/V repeated over query-head groups: SDPA reads them unrepeated (``enable_gqa``) and gives the group's
+    gradient; each repeated copy gets its share, and the graph's own sum over the group gives k.grad and v.grad."""
+    variant = variants.VARIANTS[name]
+    operands, extras = operands_of(variant, variants.Shape(B=2, H=4, M=32, N=32, D=16), dtype=torch.bfloat16)
+    out, grads, grad, code = train_on_cpu(variant.reference, operands, extras, **SDPA_ROUTE)
+    assert_matches_eager(variant.reference, operands, extras, out, grads, grad)
+    assert counters["inductor"]["flashlight_attention_as_sdpa_for_training"] == 1
+    FileCheck().check("_scaled_dot_product_flash_attention_for_cpu_backward.default(").run(code[1])
+    assert max(testing.allocated_buffer_numels(code)) < 2 * 4 * 32 * 32
+
+
+@pytest.mark.parametrize("name", ["gemma2", "sliding_window"])
 def test_attention_sdpa_cannot_take_in_training_stays_ours(name):
-    """Repeated K/V (the gradient SDPA gives is the group's sum, not the repeated operand's) and chains beyond a
-    scale stay with the fused kernels under the route."""
+    """Chains beyond a scale and a causal mask stay with the fused kernels under the route."""
     variant = variants.VARIANTS[name]
     operands, extras = operands_of(variant, variants.Shape(B=1, H=4, M=32, N=32, D=16), dtype=torch.bfloat16)
     out, grads, grad, code = train_on_cpu(variant.reference, operands, extras, **SDPA_ROUTE)

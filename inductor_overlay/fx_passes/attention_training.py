@@ -250,7 +250,8 @@ def _runs_as_sdpa(region: AttentionRegion, matched: RegionBackward) -> bool:
     grads = replace_pair_by_sdpa(region, call, matched.grad_out)
     if grads is None:
         return False
-    with graph.inserting_before(grads[1].next):  # the last of them (the permuted dK)
+    position = {node: index for index, node in enumerate(graph.nodes)}
+    with graph.inserting_before(max(grads, key=position.__getitem__).next):
         _hand_out(region, matched, grads)
     return True
 

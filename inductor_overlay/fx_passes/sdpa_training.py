@@ -8,9 +8,12 @@ region by SDPA's forward op and the region's backward by SDPA's backward op, bot
 graph of ``scaled_dot_product_attention`` (traced under the graph's fake mode, so the backend is eager's), with the
 same saved values (output, log-sum-exp, the RNG state) that AOTAutograd would keep for it.
 
-Taken only when K and V are not repeated over query-head groups (the gradient of a repeated K is the sum over its
-group, which SDPA's ``enable_gqa`` backward computes for the unrepeated tensor, not for the graph's repeated operand)
-and when both traced ops are fused kernels (not SDPA's math fallback, which would materialise the scores again).
+K and V repeated over query-head groups (GQA, MQA) are read unrepeated (``enable_gqa``), as in inference. SDPA's
+backward then gives the gradient of the unrepeated K, the sum over each group; the graph's backward wants the
+gradient of the repeated operand, which it sums over the group itself (the backward of the repeat). Each copy gets
+the group's sum divided by the group size, so the graph's sum gives it back (exact for groups of a power of two, and
+within a rounding of it otherwise). Taken only where both traced ops are fused kernels (not SDPA's math fallback, which
+would materialise the scores again).
 """
 
 from __future__ import annotations
@@ -37,7 +40,9 @@ def sdpa_joint_graph(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad: to
 
     def joint(q, k, v, grad):
         with torch.enable_grad():
-            out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=call.is_causal, scale=call.scale)
+            out = torch.nn.functional.scaled_dot_product_attention(
+                q, k, v, is_causal=call.is_causal, scale=call.scale, enable_gqa=call.groups > 1
+            )
             return (out, *torch.autograd.grad(out, (q, k, v), grad))
 
     with torch._guards.detect_fake_mode([q, k, v, grad]) or contextlib.nullcontext():
@@ -48,6 +53,18 @@ def sdpa_joint_graph(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad: to
         return make_fx(joint)(*inputs)
 
 
+def _per_copy(graph: torch.fx.Graph, grad: torch.fx.Node, call: SdpaCall) -> torch.fx.Node:
+    """The gradient of K or V repeated over the query heads, ``[batch, kv_heads·groups, rows, dim]``, from SDPA's
+    gradient of the unrepeated tensor (the group's sum): that sum over the group size, in each copy."""
+    if call.groups == 1:
+        return grad
+    batch, heads, rows, dim = _val(grad).shape
+    copies = call_op(graph, aten.expand.default, (call_op(graph, aten.unsqueeze.default, (grad, 2)),
+                                                  [batch, heads, call.groups, rows, dim]))
+    flat = call_op(graph, aten.reshape.default, (copies, [batch, heads * call.groups, rows, dim]))
+    return call_op(graph, aten.div.Tensor, (flat, call.groups))
+
+
 def _copy_nodes(graph: torch.fx.Graph, nodes: list, env: dict) -> None:
     for node in nodes:
         env[node] = graph.node_copy(node, lambda arg: env[arg])
@@ -56,15 +73,14 @@ def _copy_nodes(graph: torch.fx.Graph, nodes: list, env: dict) -> None:
 def replace_pair_by_sdpa(region, call: SdpaCall, grad_out: torch.fx.Node) -> Optional[list]:
     """Replace the region's forward by SDPA's forward op and insert SDPA's backward op after ``grad_out``; returns the
     gradients of the fused op's operands ``[q, kᵀ, v]`` (scale-free, ``fx_helpers._materialise``), or None (nothing
-    changed but dead nodes) when K/V are repeated or SDPA would run its math fallback."""
-    if call.groups != 1 or call.repeated_dims:
-        return None
+    changed but dead nodes) when SDPA would run its math fallback."""
     graph = region.pv.graph
     heads = call.kv_heads
     with graph.inserting_before(region.pv):
-        q = _sdpa_operand(graph, region.q, call, heads, 0)
-        k = call_op(graph, aten.permute.default, (_sdpa_operand(graph, region.kt, call, heads, 0), [0, 1, 3, 2]))
-        v = _sdpa_operand(graph, region.v, call, heads, 0)
+        q = _sdpa_operand(graph, region.q, call, heads * call.groups, 0)
+        kt = _sdpa_operand(graph, region.kt, call, heads, call.repeated_dims)
+        k = call_op(graph, aten.permute.default, (kt, [0, 1, 3, 2]))
+        v = _sdpa_operand(graph, region.v, call, heads, call.repeated_dims)
     out_shape = [*_val(q).shape[:-1], _val(v).shape[-1]]
     joint = sdpa_joint_graph(_val(q), _val(k), _val(v), _val(q).new_empty(out_shape), call)
     placeholders = joint.graph.find_nodes(op="placeholder")
@@ -87,7 +103,8 @@ def replace_pair_by_sdpa(region, call: SdpaCall, grad_out: torch.fx.Node) -> Opt
     with graph.inserting_before(anchor.next):
         env[placeholders[3]] = call_op(graph, aten.reshape.default, (grad_out, out_shape))
         _copy_nodes(graph, backward_ops, env)
-        grads = [env[dq], call_op(graph, aten.permute.default, (env[dk], [0, 1, 3, 2])), env[dv]]
+        grads = [env[dq], call_op(graph, aten.permute.default, (_per_copy(graph, env[dk], call), [0, 1, 3, 2])),
+                 _per_copy(graph, env[dv], call)]
     _reroute_size_reads(region)
     region.pv.replace_all_uses_with(result)
     return grads
