@@ -59,6 +59,7 @@ class Program:
     finite_fill: bool = False  # position masks fill with finfo.min (GPT-2's idiom) instead of -inf
     positions: str = "separate"  # one of POSITIONS
     combined: str = "none"  # one of COMBINED
+    scale_v: bool = False  # V scaled by a constant before the output matmul
 
     @property
     def kv_heads(self) -> int:
@@ -69,12 +70,13 @@ class Program:
                 f"D{self.D} Dv{self.Dv} {str(self.dtype)[6:]} mod={self.score_mod} mask={self.mask} "
                 f"upcast={self.upcast} scale_on={self.scale_on} norm={self.normalisation} diff={int(self.diff_heads)} "
                 f"points={self.points} pair={self.pair_channels} finite_fill={int(self.finite_fill)} positions={self.positions}"
-                f"{'' if self.combined == 'none' else ' combined=' + self.combined}")
+                f"{'' if self.combined == 'none' else ' combined=' + self.combined}{' scale_v=1' if self.scale_v else ''}")
 
 
-def draw(seed: int, positions: str | None = None) -> Program:
-    """The program of ``seed``; ``positions`` overrides the drawn position idiom (a regression seed found before
-    the idiom was drawn keeps the form it failed with)."""
+def draw(seed: int, positions: str | None = None, **fixed: object) -> Program:
+    """The program of ``seed``. Fields added after a seed was recorded come from random streams of their own, so they
+    leave its other fields as they were; ``positions`` and ``fixed`` (``combined="none"``, ``scale_v=False``) pin
+    such fields, so that a regression seed keeps the program it failed with, and a recorded run can be replayed."""
     rng = random.Random(seed)
     self_attention_mask = ["causal", "window", "prefix", "doc_ids", "causal_1e10"]
     mask = rng.choice(MASKS)
@@ -114,6 +116,10 @@ def draw(seed: int, positions: str | None = None) -> Program:
     combined = random.Random(f"combined:{seed}").choice(COMBINED)
     if program.normalisation == "softmax" and not program.diff_heads and not program.pair_channels:
         program.combined = combined
+    program.scale_v = random.Random(f"scale_v:{seed}").random() < 0.2
+    for name, value in fixed.items():
+        assert hasattr(program, name), name
+        setattr(program, name, value)
     return program
 
 
@@ -196,6 +202,8 @@ def build(p: Program) -> Callable:
         if kv_heads != p.H:
             k, v = k.repeat_interleave(p.H // kv_heads, dim=1), v.repeat_interleave(p.H // kv_heads, dim=1)
         scale = 1.0 / math.sqrt(p.D)
+        if p.scale_v:
+            v = v * 0.5
         if p.scale_on == "q":
             q = q * scale
         elif p.scale_on == "k":

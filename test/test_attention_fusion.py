@@ -163,6 +163,25 @@ def test_bias_tensor_loads_at_tile_positions(length):
     testing.assert_close_to_reference(out, reference(variants.per_head_bias, q, k, v, bias))
 
 
+def _causal_scaled_v(q, k, v):
+    keep = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool).tril()
+    return torch.softmax((q @ k.transpose(-1, -2) / 4).masked_fill(~keep, float("-inf")), -1) @ (v * 0.5)
+
+
+def _scaled_v_divided(q, k, v):
+    return torch.softmax(q * 0.25 @ k.transpose(-1, -2), -1) @ (v / 3.0)
+
+
+@pytest.mark.parametrize("fn", [_causal_scaled_v, _scaled_v_divided])
+def test_a_constant_factor_on_v_is_kept(fn):
+    """A constant factor on q or k moves onto the scores; one on V must stay on V (it once was taken off V too and
+    applied nowhere: the output was off by that factor)."""
+    args = [fresh(2, 3, 40, 16) for _ in range(3)]
+    out, code = compile_on_cpu(fn, *args)
+    assert counters["inductor"]["flashlight_attention_fused"] == 1
+    testing.assert_close_to_reference(out, reference(fn, *args))
+
+
 def test_captured_tensors_are_read_at_tile_positions():
     q, k, v = fresh(2, 3, 12, 16), fresh(2, 3, 20, 16), fresh(2, 3, 20, 16)
     attention_mask = (torch.rand(2, 20) > 0.3).long()

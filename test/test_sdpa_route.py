@@ -95,6 +95,16 @@ def test_plain_causal_attention_runs_as_sdpa(idiom):
     testing.assert_close_to_reference(out, reference(fn, *args))
 
 
+def test_a_constant_factor_on_v_stays_on_v_under_the_route():
+    def causal_scaled_v(q, k, v):
+        return variants.causal_masked_fill(q, k, v * 0.5)
+
+    args = [bf16(2, 3, 40, 16) for _ in range(3)]
+    out, code = compile_with_route(causal_scaled_v, *args)
+    assert counters["inductor"]["flashlight_attention_as_sdpa"] == 1
+    testing.assert_close_to_reference(out, reference(causal_scaled_v, *args))
+
+
 @pytest.mark.parametrize(
     "case", ["policy_flashlight", "float32", "sliding_window", "softcapped", "diagonal_masked_too", "rectangular"]
 )

@@ -136,6 +136,19 @@ def test_half_precision_training_matches_eager_and_passes_the_gpu_front_end(name
 SDPA_ROUTE = {"sdpa_pattern_policy": "unmasked_sdpa", "sdpa_route_devices": ("cpu",)}
 
 
+def _causal_scaled_v(q, k, v):
+    return variants.causal_masked_fill(q, k, v * 0.5)
+
+
+@pytest.mark.parametrize("route", [{}, SDPA_ROUTE], ids=["fused", "sdpa_route"])
+def test_a_constant_factor_on_v_trains_exactly(route):
+    operands = [torch.randn(1, 2, 32, 16, dtype=torch.bfloat16).requires_grad_() for _ in range(3)]
+    out, grads, grad, code = train_on_cpu(_causal_scaled_v, operands, {}, **route)
+    assert_matches_eager(_causal_scaled_v, operands, {}, out, grads, grad)
+    trained = counters["inductor"]["flashlight_attention_as_sdpa_for_training" if route else "flashlight_attention_fused_for_training"]
+    assert trained == 1
+
+
 @pytest.mark.parametrize("fn", [variants.causal_masked_fill, variants.gpt2_causal_where])
 def test_plain_causal_attention_trains_on_sdpas_kernels(fn):
     """Where the route gives plain causal attention to SDPA (on the CPU here: its CPU flash kernels), training

@@ -273,7 +273,8 @@ def fuse(
     groups = 1 if group_coefficients is None else _val(group_coefficients).numel()
     output_batch = _output_batch(tuple(score_shape[:-2]) or (1,), groups, _val(region.pv).shape[-1])
     with graph.inserting_before(anchor):
-        q, kt, v = (_materialise(graph, source) for source in (region.q, region.kt, region.v))
+        q, kt = (_materialise(graph, source) for source in (region.q, region.kt))
+        v = _materialise(graph, region.v, unscaled=False)
         sink = _broadcast(graph, region.sink, [*score_shape[:-1], 1]) if region.sink is not None else None
         subgraphs, decisions = ops.chain_arguments(chain)
         inputs = (q, kt, v, list(region.captured), sink, _subgraphs(graph, subgraphs), decisions)

@@ -276,11 +276,11 @@ def fuse_attention_for_training(graph: torch.fx.Graph) -> None:
             log.info("attention not fused for training at %s: %s", pv.name, reason)
             continue
         changed = True
-        if _runs_as_sdpa(region, matched):
-            counters["inductor"]["flashlight_attention_as_sdpa_for_training"] += 1
-            log.info("attention at %s trains on SDPA's forward and backward kernels", pv.name)
-            continue
         try:
+            if _runs_as_sdpa(region, matched):
+                counters["inductor"]["flashlight_attention_as_sdpa_for_training"] += 1
+                log.info("attention at %s trains on SDPA's forward and backward kernels", pv.name)
+                continue
             _insert_backward(region, matched, fuse(region, training=True))
         except Exception as error:  # noqa: BLE001  (fault containment, below)
             # The fused forward, if it is in place, computes the output the region did; the region's own ops stay

@@ -148,9 +148,11 @@ def _replay_views_without_scale(graph: torch.fx.Graph, operand: torch.fx.Node, s
     return replayed
 
 
-def _materialise(graph: torch.fx.Graph, source: BatchSource) -> torch.fx.Node:
-    """The operand node the fused op reads: the (scale-free) source, transposed back if it was."""
-    scaling, _ = _operand_scale(source.node)
+def _materialise(graph: torch.fx.Graph, source: BatchSource, unscaled: bool = True) -> torch.fx.Node:
+    """The operand node the fused op reads: the source, transposed back if it was; with ``unscaled`` (q and k, whose
+    constant factor the region moved onto the scores: ``AttentionRegion.operand_scale``) without its constant
+    factor. V keeps its factor: nothing else applies it."""
+    scaling, _ = _operand_scale(source.node) if unscaled else (None, 1.0)
     node = _replay_views_without_scale(graph, source.node, scaling) if scaling is not None else source.node
     if source.transposed:
         rank = _val(node).dim()

@@ -193,9 +193,12 @@ def _sdpa_graph(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: SdpaCal
         return fwd_only(attention, [q, k, v])
 
 
-def _sdpa_operand(graph: torch.fx.Graph, source: BatchSource, call: SdpaCall, heads: int, repeated: int) -> torch.fx.Node:
-    """The operand as SDPA reads it, ``[batch, heads, rows, dim]``: its repeated batch dims read at index 0."""
-    node = _materialise(graph, source)
+def _sdpa_operand(
+    graph: torch.fx.Graph, source: BatchSource, call: SdpaCall, heads: int, repeated: int, unscaled: bool = True
+) -> torch.fx.Node:
+    """The operand as SDPA reads it, ``[batch, heads, rows, dim]``: its repeated batch dims read at index 0; q and k
+    without the constant factor that ``call.scale`` holds, V as it is (``fx_helpers._materialise``)."""
+    node = _materialise(graph, source, unscaled)
     rank = node.meta["val"].dim()
     for dim in range(rank - 3, rank - 3 - repeated, -1):
         node = call_op(graph, aten.select.int, (node, dim, 0))
@@ -210,7 +213,7 @@ def replace_by_sdpa(region: AttentionRegion, call: SdpaCall) -> Optional[torch.f
         q = _sdpa_operand(graph, region.q, call, call.kv_heads * call.groups, 0)
         kt = _sdpa_operand(graph, region.kt, call, call.kv_heads, call.repeated_dims)
         k = call_op(graph, aten.permute.default, (kt, [0, 1, 3, 2]))
-        v = _sdpa_operand(graph, region.v, call, call.kv_heads, call.repeated_dims)
+        v = _sdpa_operand(graph, region.v, call, call.kv_heads, call.repeated_dims, unscaled=False)
         traced = _sdpa_graph(*(operand.meta["val"] for operand in (q, k, v)), call)
         if not any(node.target in _FUSED_SDPA_OPS for node in traced.graph.nodes):
             return None

@@ -8,12 +8,12 @@ region by SDPA's forward op and the region's backward by SDPA's backward op, bot
 graph of ``scaled_dot_product_attention`` (traced under the graph's fake mode, so the backend is eager's), with the
 same saved values (output, log-sum-exp, the RNG state) that AOTAutograd would keep for it.
 
-K and V repeated over query-head groups (GQA, MQA) are read unrepeated (``enable_gqa``), as in inference. SDPA's
-backward then gives the gradient of the unrepeated K, the sum over each group; the graph's backward wants the
-gradient of the repeated operand, which it sums over the group itself (the backward of the repeat). Each copy gets
-the group's sum divided by the group size, so the graph's sum gives it back (exact for groups of a power of two, and
-within a rounding of it otherwise). Taken only where both traced ops are fused kernels (not SDPA's math fallback, which
-would materialise the scores again).
+K and V repeated over query-head groups (GQA, MQA) in the graph are read unrepeated (``enable_gqa``), as in
+inference. SDPA's backward then gives the gradient of the unrepeated K, the sum over each group; the graph's backward
+wants the gradient of the repeated operand, which only the repeat's backward reads (rule 4), and it sums over the
+group: the first copy gets the group's sum and the others zeros, which that sum gives back exactly. A repeated K or V
+that is a graph input (its per-copy gradient would leave the graph) stays ours. Taken only where both traced ops are
+fused kernels (not SDPA's math fallback, which would materialise the scores again).
 """
 
 from __future__ import annotations
@@ -55,14 +55,13 @@ def sdpa_joint_graph(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad: to
 
 def _per_copy(graph: torch.fx.Graph, grad: torch.fx.Node, call: SdpaCall) -> torch.fx.Node:
     """The gradient of K or V repeated over the query heads, ``[batch, kv_heads·groups, rows, dim]``, from SDPA's
-    gradient of the unrepeated tensor (the group's sum): that sum over the group size, in each copy."""
+    gradient of the unrepeated tensor (the group's sum): the sum in each group's first copy, zeros in the others."""
     if call.groups == 1:
         return grad
     batch, heads, rows, dim = _val(grad).shape
-    copies = call_op(graph, aten.expand.default, (call_op(graph, aten.unsqueeze.default, (grad, 2)),
-                                                  [batch, heads, call.groups, rows, dim]))
-    flat = call_op(graph, aten.reshape.default, (copies, [batch, heads * call.groups, rows, dim]))
-    return call_op(graph, aten.div.Tensor, (flat, call.groups))
+    first = call_op(graph, aten.unsqueeze.default, (grad, 2))  # [batch, heads, 1, rows, dim]
+    copies = call_op(graph, aten.constant_pad_nd.default, (first, [0, 0, 0, 0, 0, call.groups - 1], 0.0))
+    return call_op(graph, aten.reshape.default, (copies, [batch, heads * call.groups, rows, dim]))
 
 
 def _copy_nodes(graph: torch.fx.Graph, nodes: list, env: dict) -> None:
@@ -73,14 +72,16 @@ def _copy_nodes(graph: torch.fx.Graph, nodes: list, env: dict) -> None:
 def replace_pair_by_sdpa(region, call: SdpaCall, grad_out: torch.fx.Node) -> Optional[list]:
     """Replace the region's forward by SDPA's forward op and insert SDPA's backward op after ``grad_out``; returns the
     gradients of the fused op's operands ``[q, kᵀ, v]`` (scale-free, ``fx_helpers._materialise``), or None (nothing
-    changed but dead nodes) when SDPA would run its math fallback."""
+    changed but dead nodes) when K/V repeated in place are graph inputs or SDPA would run its math fallback."""
+    if call.groups > 1 and any(source.node.op == "placeholder" for source in (region.kt, region.v)):
+        return None
     graph = region.pv.graph
     heads = call.kv_heads
     with graph.inserting_before(region.pv):
         q = _sdpa_operand(graph, region.q, call, heads * call.groups, 0)
         kt = _sdpa_operand(graph, region.kt, call, heads, call.repeated_dims)
         k = call_op(graph, aten.permute.default, (kt, [0, 1, 3, 2]))
-        v = _sdpa_operand(graph, region.v, call, heads, call.repeated_dims)
+        v = _sdpa_operand(graph, region.v, call, heads, call.repeated_dims, unscaled=False)
     out_shape = [*_val(q).shape[:-1], _val(v).shape[-1]]
     joint = sdpa_joint_graph(_val(q), _val(k), _val(v), _val(q).new_empty(out_shape), call)
     placeholders = joint.graph.find_nodes(op="placeholder")
