@@ -186,6 +186,7 @@ def _boolean_comparisons() -> dict[str, Callable[..., Any]]:
     """The interpreter's comparisons with the type Triton gives them, int1. Its own record the left operand's type, so
     a comparison of a scalar (a per-head value loaded once per program), once broadcast against a tile, becomes a
     tensor of 0.0 and 1.0 in that type, and ``|`` with a boolean tile fails in NumPy; the GPU compiler types it int1."""
+    import triton.language as tl
     from triton.runtime.interpreter import InterpreterBuilder, TensorHandle
 
     def boolean(compare: Callable[..., Any]) -> Callable[..., Any]:
@@ -193,8 +194,6 @@ def _boolean_comparisons() -> dict[str, Callable[..., Any]]:
             return TensorHandle(np.asarray(compare(self, lhs, rhs).data, dtype=np.bool_), tl.int1)
 
         return compare_as_int1
-
-    import triton.language as tl
 
     names = [name for name in vars(InterpreterBuilder) if name.startswith(("create_fcmp", "create_icmp"))]
     return {name: boolean(getattr(InterpreterBuilder, name)) for name in names}

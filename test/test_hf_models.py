@@ -53,6 +53,22 @@ def test_hf_model_attention_fuses_and_matches_eager(family, padded):
     testing.assert_close_to_reference(out, expected, rtol=1e-4, atol=1e-4)
 
 
+def _compile_swin(model):
+    """A Swin model of two blocks (the second with shifted windows) on random images, compiled with fault containment
+    off: both window attentions fuse, each its own kernel, nothing falls back. Returns the output, eager's and the
+    code."""
+    pixels = torch.randn(2, 3, 16, 16)
+    with torch.no_grad():
+        expected = model(pixels).last_hidden_state
+        with testing.cpu_triton(), config.patch(fault_containment=False):
+            out, code = testing.compile_and_get_code(lambda x: model(x).last_hidden_state, pixels)
+    assert counters["inductor"]["flashlight_attention_fused"] == 2
+    assert counters["inductor"]["flashlight_fault_fallback"] == 0
+    kernels = testing.triton_kernels(code)
+    assert sum("for start_n in range(" in text for text in kernels.values()) == 2
+    return out, expected, code
+
+
 def test_swin_shifted_window_attention_fuses_without_a_fault():
     """Hugging Face's Swin (eager attention, shifted windows): the shifted blocks add the position bias (a table
     gathered per head) and the window mask (computed from positions in the graph) to the scores; the two meet inside
@@ -65,16 +81,7 @@ def test_swin_shifted_window_attention_fuses_without_a_fault():
     swin = SwinConfig(image_size=16, patch_size=2, num_channels=3, embed_dim=16, depths=[2], num_heads=[4],
                       window_size=4, mlp_ratio=1.0, attn_implementation="eager")
     model = SwinModel(swin).eval()
-    pixels = torch.randn(2, 3, 16, 16)
-    with torch.no_grad():
-        expected = model(pixels).last_hidden_state
-        with testing.cpu_triton():
-            with config.patch(fault_containment=False):
-                out, code = testing.compile_and_get_code(lambda x: model(x).last_hidden_state, pixels)
-    assert counters["inductor"]["flashlight_attention_fused"] == 2  # two blocks, the second with shifted windows
-    assert counters["inductor"]["flashlight_fault_fallback"] == 0
-    kernels = testing.triton_kernels(code)
-    assert sum("for start_n in range(" in text for text in kernels.values()) == 2
+    out, expected, code = _compile_swin(model)
     # The scores: 2 images × 4 windows × 4 heads × 16 × 16 elements; the largest other tensor holds 2048.
     assert max(testing.allocated_buffer_numels(code)) < 2 * 4 * 4 * 16 * 16
     testing.assert_close_to_reference(out, expected, rtol=1e-4, atol=1e-4)
@@ -94,16 +101,7 @@ def test_swin_v2_scaled_cosine_attention_fuses():
     model = Swinv2Model(swin).eval()
     with torch.no_grad():
         model.embeddings.norm.weight.normal_()  # (random, so that a wrong row is visible after the norm)
-    pixels = torch.randn(2, 3, 16, 16)
-    with torch.no_grad():
-        expected = model(pixels).last_hidden_state
-        with testing.cpu_triton():
-            with config.patch(fault_containment=False):
-                out, code = testing.compile_and_get_code(lambda x: model(x).last_hidden_state, pixels)
-    assert counters["inductor"]["flashlight_attention_fused"] == 2
-    assert counters["inductor"]["flashlight_fault_fallback"] == 0
-    kernels = testing.triton_kernels(code)
-    assert sum("for start_n in range(" in text for text in kernels.values()) == 2
+    out, expected, code = _compile_swin(model)
     # The scores: 2 images × 4 windows × 4 heads × 16 × 16 = 8192 elements; the one larger buffer is the position
     # bias MLP's hidden layer, (2·4 − 1)² coordinates × 512.
     numels = testing.allocated_buffer_numels(code)

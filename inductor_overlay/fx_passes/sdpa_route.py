@@ -205,24 +205,35 @@ def _sdpa_operand(
     return call_op(graph, aten.reshape.default, (node, [call.batch, heads, *node.meta["val"].shape[-2:]]))
 
 
+def sdpa_operands(region: AttentionRegion, call: SdpaCall) -> tuple[torch.fx.Node, torch.fx.Node, torch.fx.Node]:
+    """q, k, v as SDPA reads them, ``[batch, heads, rows, dim]``, inserted where the caller inserts."""
+    graph = region.pv.graph
+    q = _sdpa_operand(graph, region.q, call, call.kv_heads * call.groups, 0)
+    kt = _sdpa_operand(graph, region.kt, call, call.kv_heads, call.repeated_dims)
+    k = call_op(graph, aten.permute.default, (kt, [0, 1, 3, 2]))
+    v = _sdpa_operand(graph, region.v, call, call.kv_heads, call.repeated_dims, unscaled=False)
+    return q, k, v
+
+
+def copy_nodes(graph: torch.fx.Graph, nodes: list, env: dict) -> None:
+    """The call nodes of a traced graph copied into ``graph``, their inputs mapped by ``env`` (which gains them)."""
+    for node in nodes:
+        env[node] = graph.node_copy(node, lambda arg: env[arg])
+
+
 def replace_by_sdpa(region: AttentionRegion, call: SdpaCall) -> Optional[torch.fx.Node]:
     """Replace the region by SDPA and return the node that now stands for ``region.pv``; None (the region left as
     it was) when SDPA would run its math fallback. Nodes made before that finding are dead code for the caller."""
     graph = region.pv.graph
     with graph.inserting_before(region.pv):
-        q = _sdpa_operand(graph, region.q, call, call.kv_heads * call.groups, 0)
-        kt = _sdpa_operand(graph, region.kt, call, call.kv_heads, call.repeated_dims)
-        k = call_op(graph, aten.permute.default, (kt, [0, 1, 3, 2]))
-        v = _sdpa_operand(graph, region.v, call, call.kv_heads, call.repeated_dims, unscaled=False)
+        q, k, v = sdpa_operands(region, call)
         traced = _sdpa_graph(*(operand.meta["val"] for operand in (q, k, v)), call)
         if not any(node.target in _FUSED_SDPA_OPS for node in traced.graph.nodes):
             return None
-        env = dict(zip([node for node in traced.graph.nodes if node.op == "placeholder"], (q, k, v)))
-        for node in traced.graph.nodes:
-            if node.op == "call_function":
-                env[node] = graph.node_copy(node, lambda arg: env[arg])
-            elif node.op == "output":
-                attention = env[node.args[0][0] if isinstance(node.args[0], (tuple, list)) else node.args[0]]
+        env = dict(zip(traced.graph.find_nodes(op="placeholder"), (q, k, v)))
+        copy_nodes(graph, [node for node in traced.graph.nodes if node.op == "call_function"], env)
+        output = traced.graph.find_nodes(op="output")[0].args[0]
+        attention = env[output[0] if isinstance(output, (tuple, list)) else output]
         result = call_op(graph, aten.reshape.default, (attention, list(region.pv.meta["val"].shape)))
     _reroute_size_reads(region)
     # The usual user views the bmm's [B·H, M, Dv] back to [B, H, M, Dv]: that is SDPA's output as it is, whatever

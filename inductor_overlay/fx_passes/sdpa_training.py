@@ -25,7 +25,7 @@ import torch
 
 from inductor_overlay.fx_passes.chain_modules import _reroute_size_reads
 from inductor_overlay.fx_passes.fx_helpers import _val, aten, call_op
-from inductor_overlay.fx_passes.sdpa_route import _FUSED_SDPA_OPS, SdpaCall, _sdpa_operand
+from inductor_overlay.fx_passes.sdpa_route import _FUSED_SDPA_OPS, SdpaCall, copy_nodes, sdpa_operands
 
 
 def _fused_backward_op(node: torch.fx.Node) -> bool:
@@ -64,11 +64,6 @@ def _per_copy(graph: torch.fx.Graph, grad: torch.fx.Node, call: SdpaCall) -> tor
     return call_op(graph, aten.reshape.default, (copies, [batch, heads * call.groups, rows, dim]))
 
 
-def _copy_nodes(graph: torch.fx.Graph, nodes: list, env: dict) -> None:
-    for node in nodes:
-        env[node] = graph.node_copy(node, lambda arg: env[arg])
-
-
 def replace_pair_by_sdpa(region, call: SdpaCall, grad_out: torch.fx.Node) -> Optional[list]:
     """Replace the region's forward by SDPA's forward op and insert SDPA's backward op after ``grad_out``; returns the
     gradients of the fused op's operands ``[q, kᵀ, v]`` (scale-free, ``fx_helpers._materialise``), or None (nothing
@@ -76,12 +71,8 @@ def replace_pair_by_sdpa(region, call: SdpaCall, grad_out: torch.fx.Node) -> Opt
     if call.groups > 1 and any(source.node.op == "placeholder" for source in (region.kt, region.v)):
         return None
     graph = region.pv.graph
-    heads = call.kv_heads
     with graph.inserting_before(region.pv):
-        q = _sdpa_operand(graph, region.q, call, heads * call.groups, 0)
-        kt = _sdpa_operand(graph, region.kt, call, heads, call.repeated_dims)
-        k = call_op(graph, aten.permute.default, (kt, [0, 1, 3, 2]))
-        v = _sdpa_operand(graph, region.v, call, heads, call.repeated_dims, unscaled=False)
+        q, k, v = sdpa_operands(region, call)
     out_shape = [*_val(q).shape[:-1], _val(v).shape[-1]]
     joint = sdpa_joint_graph(_val(q), _val(k), _val(v), _val(q).new_empty(out_shape), call)
     placeholders = joint.graph.find_nodes(op="placeholder")
@@ -96,14 +87,14 @@ def replace_pair_by_sdpa(region, call: SdpaCall, grad_out: torch.fx.Node) -> Opt
     out, dq, dk, dv = joint.graph.find_nodes(op="output")[0].args[0]
     env = dict(zip(placeholders[:3], (q, k, v)))
     with graph.inserting_before(region.pv):
-        _copy_nodes(graph, forward_ops, env)
+        copy_nodes(graph, forward_ops, env)
         result = call_op(graph, aten.reshape.default, (env[out], list(_val(region.pv).shape)))
     # After both the output's gradient and SDPA's forward (the gradient may be a graph input, ahead of everything).
     position = {node: index for index, node in enumerate(graph.nodes)}
     anchor = grad_out if position[grad_out] > position[result] else result
     with graph.inserting_before(anchor.next):
         env[placeholders[3]] = call_op(graph, aten.reshape.default, (grad_out, out_shape))
-        _copy_nodes(graph, backward_ops, env)
+        copy_nodes(graph, backward_ops, env)
         grads = [env[dq], call_op(graph, aten.permute.default, (_per_copy(graph, env[dk], call), [0, 1, 3, 2])),
                  _per_copy(graph, env[dv], call)]
     _reroute_size_reads(region)
