@@ -42,6 +42,11 @@ MAX_HEAD_DIM = 256
 # formulas over them from the user's own mask expression, ``kernel/tile_tests.py`` bounds them over a tile.
 ROW = sympy.Symbol("m", integer=True, nonnegative=True)
 COL = sympy.Symbol("n", integer=True, nonnegative=True)
+# The value of an integer vector read from memory at the row and at the column (positions made once outside the
+# compiled function, a buffer of positions): the kernel bounds them over a tile from the values themselves, read in
+# its pre-pass (``ScoreChain.position_graph_modules``). Any sign.
+ROW_READ = sympy.Symbol("pm", integer=True)
+COL_READ = sympy.Symbol("pn", integer=True)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,6 +77,9 @@ class ScoreChain:
     # (scores, *captured, *sizes) -> per-row ids and -> per-column ids, each broadcast to the score shape, of a mask that
     # keeps a logit only where the two are equal (document masking): the kernel skips tiles whose ids are disjoint.
     id_graph_modules: Optional[tuple[torch.fx.GraphModule, torch.fx.GraphModule]] = None
+    # (scores, *captured, *sizes) -> the integer vectors the formulas read as ROW_READ and COL_READ, each broadcast to
+    # the score shape, or None for one the formulas do not read: the kernel's pre-pass bounds them per tile.
+    position_graph_modules: Optional[tuple[Optional[torch.fx.GraphModule], Optional[torch.fx.GraphModule]]] = None
     # (scores, *captured, *sizes) -> the cell states of a mask passed in as a tensor (``block_sparsity.TensorMask``), as
     # ``[*batch, ⌈M/c⌉, ⌈N/c⌉]`` with c = MASK_TABLE_CELL: the kernel skips tiles all of whose cells are masked.
     mask_table_module: Optional[torch.fx.GraphModule] = None
@@ -98,6 +106,7 @@ SUBGRAPH_NAMES = {
     "graph_module": "score_chain",
     "unmasked_graph_module": "score_chain_unmasked",
     "id_graph_modules": ("row_ids", "column_ids"),
+    "position_graph_modules": ("row_positions", "column_positions"),
     "mask_table_module": "mask_table_chain",
     "exact_graph_module": "score_chain_exact",
 }

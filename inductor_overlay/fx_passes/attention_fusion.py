@@ -18,12 +18,15 @@ from inductor_overlay import config
 from inductor_overlay.fx_passes.block_sparsity import (
     ABSORBING_FILL,
     IdMask,
+    PositionReads,
     absorbing_fill_masks,
+    depends_on,
     fill_is_true_branch,
     matched_additive_mask,
     matched_id_masks,
     matched_tensor_masks,
     position_masks,
+    reads_vectors,
 )
 from inductor_overlay.fx_passes.block_sparsity import _COPIES, _DIM_VIEWS
 from inductor_overlay.fx_passes.block_sparsity import is_op as _is
@@ -51,7 +54,7 @@ from inductor_overlay.fx_passes.attention_region import (
     find_attention,
 )
 from inductor_overlay.fx_passes.chain_modules import _chain_value_module, _reroute_size_reads, _score_chain_module
-from inductor_overlay.fx_passes.mask_tables import _mask_table, _shared_table, _table_cells
+from inductor_overlay.fx_passes.mask_tables import _mask_table, _shared_table, _table_cells, position_cells
 
 # TORCH_LOGS=flashlight shows every fused attention and every declined one with its reason.
 log = logging.getLogger("flashlight.attention_fusion")
@@ -90,6 +93,32 @@ def score_chain_weight(chain: torch.fx.GraphModule) -> str:
 
 def reads_gathers(chain: torch.fx.GraphModule) -> bool:
     return any(node.target in _GATHERS for node in chain.graph.nodes)
+
+
+def _position_reads(region: AttentionRegion) -> Optional[PositionReads]:
+    """What the mask formulas may read from memory as positions: an integer vector of static length computed from
+    the chain's own values or a captured tensor, not from the scores (None with a symbolic length)."""
+    known, memo = set(region.chain) | set(region.captured), {}
+    if not all(isinstance(size, int) for size in _val(region.score_root).shape):
+        return None
+
+    def readable(node: torch.fx.Node) -> bool:
+        return node in known and not depends_on(node, region.score_root, memo) and all(
+            isinstance(size, int) for size in _val(node).shape
+        )
+
+    return PositionReads(region.score_root, readable)
+
+
+def _position_cell_tables(graph: torch.fx.Graph, region: AttentionRegion, reads: PositionReads) -> tuple:
+    """The bounds per cell (``mask_tables.position_cells``) of the vectors the formulas read at the rows and at the
+    columns (None for an axis they do not read), once per call: attentions that read the same vector share them."""
+    return tuple(
+        None if vector is None else _shared_table(
+            graph, ("positions", vector, rows), lambda v=vector, r=rows: position_cells(graph, v, r), region.pv
+        )
+        for vector, rows in ((reads.rows, True), (reads.columns, False))
+    )
 
 
 def _summarised_id_mask(region: AttentionRegion) -> Optional[IdMask]:
@@ -159,7 +188,7 @@ def _subgraphs(graph: torch.fx.Graph, modules: dict) -> dict:
     for field, module in modules.items():
         name = ops.SUBGRAPH_NAMES[field]
         if isinstance(name, tuple):
-            nodes[field] = tuple(subgraph(graph, part, stem) for part, stem in zip(module, name))
+            nodes[field] = tuple(None if part is None else subgraph(graph, part, stem) for part, stem in zip(module, name))
         else:
             nodes[field] = subgraph(graph, module, name)
     return nodes
@@ -202,14 +231,15 @@ def fuse(
     graph = region.pv.graph
     score_shape = _val(region.score_root).shape
     formula, mask_nodes, skippable, fills = None, [], None, frozenset()
+    reads = _position_reads(region) if region.softmax and config.block_skipping else None
     if region.softmax:
         fills = absorbing_fill_masks(region.chain, region.score_root, region.logits, region.logit_scale)
-        formula, mask_nodes, skippable = position_masks(region.chain, fills)
+        formula, mask_nodes, skippable = position_masks(region.chain, fills, reads)
     guards, row_max_bound = _speculated_guards(region, training)
     wide_logits = region.softmax and _logits_may_near_float_max(region, fills, guard_only_nodes(region.chain, guards))
     id_mask = _summarised_id_mask(region) if region.softmax and config.block_skipping else None
     summarise_tensors = region.softmax and config.block_skipping and config.mask_tensor_tables
-    tensor_masks = matched_tensor_masks(region.chain, region.score_root) if summarise_tensors else []
+    tensor_masks = matched_tensor_masks(region.chain, region.score_root, reads) if summarise_tensors else []
     tensor_mask = tensor_masks[0] if tensor_masks else None
     additive_mask = None
     if summarise_tensors and tensor_mask is None and id_mask is None and skippable is None:
@@ -222,6 +252,9 @@ def fuse(
         mask_table = _shared_table(graph, key, lambda: _mask_table(graph, region, mask), region.pv)
     if mask_table is not None:
         region = dataclasses.replace(region, captured=[*region.captured, mask_table])
+    cells = _position_cell_tables(graph, region, reads) if reads_vectors(skippable) else None
+    if cells is not None:
+        region = dataclasses.replace(region, captured=[*region.captured, *[c for c in cells if c is not None]])
     drops_mask_loads = (tensor_mask is not None and tensor_mask.alone) or additive_mask is not None
     droppable = [*mask_nodes, *([id_mask.where] if id_mask is not None and id_mask.alone else [])]
     droppable += [tensor_mask.where if tensor_mask else additive_mask.add] if drops_mask_loads else []
@@ -263,6 +296,10 @@ def fuse(
         gathers=reads_gathers(chain_module),
         mask_table_module=None if mask_table is None else _chain_value_module(
             region, mask_table, [*(score_shape[:-2] or [1]), *_table_cells(score_shape, mask_table)]
+        ),
+        position_graph_modules=None if cells is None else tuple(
+            None if table is None else _chain_value_module(region, table, [*(score_shape[:-2] or [1]), *_val(table).shape[-2:]])
+            for table in cells
         ),
     )
     # The fused node stands where the first of its outputs was computed.

@@ -16,14 +16,15 @@ kernel simply visits every tile; so does a formula the kernel's interval arithme
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
-from typing import Optional
+from typing import Callable, Optional
 
 import sympy
 import torch
 
-from inductor_overlay.ops import COL, ROW, TABLE_CELL
+from inductor_overlay.ops import COL, COL_READ, ROW, ROW_READ, TABLE_CELL
 
 aten = torch.ops.aten
 prims = torch.ops.prims
@@ -84,19 +85,23 @@ def _input_dim(node: torch.fx.Node, dim: int, arg: torch.fx.Node) -> Optional[in
     return source if source >= 0 and _shape(arg)[source] != 1 else -1
 
 
-def _value(node: object, dims: Optional[tuple[int, int]] = None) -> sympy.Basic:
+def _value(
+    node: object, dims: Optional[tuple[int, int]] = None, reads: Optional["PositionReads"] = None, aligned: bool = True
+) -> sympy.Basic:
     """``node`` as a formula over the positions m and n. ``dims`` are the node's own dims that hold the logits' rows
     and columns (-1: the node is broadcast along it), by default its last two; each operand is followed with the
-    dims that its op reads there, so a position is m or n by where it meets the logits, not by its own shape."""
+    dims that its op reads there, so a position is m or n by where it meets the logits, not by its own shape. With
+    ``reads``, an integer vector read from memory along the rows or the columns is the symbol ROW_READ or COL_READ
+    (``PositionReads``); ``aligned``: every op from the formula's root to ``node`` broadcasts right-aligned."""
     if isinstance(node, bool):
         return sympy.true if node else sympy.false
     if isinstance(node, (int, float)):
         return sympy.sympify(node)
-    if not isinstance(node, torch.fx.Node) or node.op != "call_function":
-        raise Unknown(node)
     if dims is None:
         rank = len(_shape(node))
         dims = (max(-1, rank - 2), rank - 1)
+    if not isinstance(node, torch.fx.Node) or node.op != "call_function":
+        return _read_vector(node, dims, reads, aligned)
     target, args = node.target, node.args
     if target is prims.iota.default:
         start, step = node.kwargs.get("start", 0), node.kwargs.get("step", 1)
@@ -116,7 +121,11 @@ def _value(node: object, dims: Optional[tuple[int, int]] = None) -> sympy.Basic:
         arg_dims = tuple(_input_dim(node, dim, arg) for dim in dims)
         if None in arg_dims:
             raise Unknown(node)
-        return _value(arg, arg_dims)
+        arg_aligned = aligned and _is_elementwise(node)
+        try:
+            return _value(arg, arg_dims, reads, arg_aligned)
+        except Unknown:
+            return _read_vector(arg, arg_dims, reads, arg_aligned)
 
     if target in _DIM_VIEWS or target in _COPIES:
         return operand(args[0])  # the same values, its dims mapped by ``_input_dim``
@@ -144,6 +153,71 @@ def _value(node: object, dims: Optional[tuple[int, int]] = None) -> sympy.Basic:
     if target is aten.neg.default:
         return -operands[0]
     raise Unknown(target)
+
+
+class PositionReads:
+    """The integer vectors a formula reads from memory, one per axis at most: ``rows`` (the symbol ROW_READ) varies
+    along the logits' rows only, ``columns`` (COL_READ) along their columns only. Each is a node whose value,
+    broadcast right-aligned to the scores, is that vector at every logit (``pos[:, None]``, or ``pos`` itself for the
+    columns); the kernel bounds it per tile from the values it reads. Positions made once outside the compiled
+    function, a registered buffer of them, HF's ``position_ids``."""
+
+    def __init__(self, scores: torch.fx.Node, readable: Callable[[torch.fx.Node], bool]) -> None:
+        self.rows: Optional[torch.fx.Node] = None
+        self.columns: Optional[torch.fx.Node] = None
+        self.scores = scores
+        self.readable = readable  # whether the kernel can compute a node's value (the chain's own, or captured)
+
+    def symbol(self, node: torch.fx.Node, axis: str) -> sympy.Symbol:
+        current = getattr(self, axis)
+        if current is not None and not _same_value(current, node):
+            raise Unknown(node)  # a second vector along one axis
+        setattr(self, axis, current or node)
+        return ROW_READ if axis == "rows" else COL_READ
+
+    def formulas_free_of_reads(self) -> bool:
+        return self.rows is None and self.columns is None
+
+
+def _same_value(a: object, b: object) -> bool:
+    """Whether two nodes compute the same value by the same ops from the same inputs (``pos[:, None]`` written
+    twice)."""
+    if a is b:
+        return True
+    if not (isinstance(a, torch.fx.Node) and isinstance(b, torch.fx.Node)):
+        return not isinstance(a, torch.fx.Node) and not isinstance(b, torch.fx.Node) and type(a) is type(b) and a == b
+    if a.op != "call_function" or b.op != "call_function" or a.target is not b.target or a.kwargs != b.kwargs:
+        return False
+    if len(a.args) != len(b.args):
+        return False
+    return all(
+        _same_value(x, y) if not isinstance(x, (list, tuple)) else
+        isinstance(y, (list, tuple)) and len(x) == len(y) and all(_same_value(i, j) for i, j in zip(x, y))
+        for x, y in zip(a.args, b.args)
+    )
+
+
+def _read_vector(node: object, dims: tuple[int, int], reads: Optional[PositionReads], aligned: bool) -> sympy.Symbol:
+    """``node`` as ROW_READ or COL_READ: an integer tensor computed without the scores that varies along the rows
+    only or the columns only, and whose broadcast to the scores puts that axis where it meets them (its rows dim
+    second to last over a last dim of 1, or its columns dim last; with a view between it and the formula's root, no
+    other dim of size above 1, since the view may have moved its batch dims)."""
+    value = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
+    if reads is None or not isinstance(value, torch.Tensor) or value.dtype.is_floating_point:
+        raise Unknown(node)
+    if value.dtype in (torch.bool,) or value.dtype.is_complex or not reads.readable(node):
+        raise Unknown(node)
+    shape, rank = tuple(value.shape), value.dim()
+    row, col = dims
+    if (row >= 0) == (col >= 0):
+        raise Unknown(node)  # constant along both, or varying along both
+    axis_dim = row if row >= 0 else col
+    expected = rank - 2 if row >= 0 else rank - 1
+    if axis_dim != expected or (row >= 0 and shape[-1] != 1):
+        raise Unknown(node)
+    if not aligned and any(size != 1 for i, size in enumerate(shape) if i != axis_dim):
+        raise Unknown(node)
+    return reads.symbol(node, "rows" if row >= 0 else "columns")
 
 
 def constant_value(node: object) -> Optional[float]:
@@ -204,17 +278,18 @@ def _or_terms(node: object, negated: bool) -> list[tuple[object, bool]]:
 
 
 def position_masks(
-    chain: list[torch.fx.Node], fills: frozenset = frozenset()
+    chain: list[torch.fx.Node], fills: frozenset = frozenset(), reads: Optional[PositionReads] = None
 ) -> tuple[Optional[sympy.Boolean], list[torch.fx.Node], Optional[sympy.Boolean]]:
     """Formulas over (m, n) of where the chain sets the logit to -inf by position, and the ``where`` nodes that
     do it. The first formula covers the masks whose every term is a position term: only those may be dropped from
     entirely visible tiles (the nodes). The third also has the position terms of masks that combine positions with
     terms no formula bounds (``doc[m] == doc[n] & n <= m``): it implies -inf, enough to skip a tile. The ``where``
-    nodes in ``fills`` count as -inf masks (``absorbing_fill_masks``)."""
+    nodes in ``fills`` count as -inf masks (``absorbing_fill_masks``). With ``reads``, positions may also be
+    integer vectors read from memory (``PositionReads``)."""
     complete, nodes, skippable = [], [], []
     for node in chain:
         terms = masked_terms(node, fills)
-        known = _known_terms(terms or [])
+        known = _known_terms(terms or [], reads)
         skippable += known
         if terms and len(known) == len(terms):
             complete.append(sympy.Or(*known))
@@ -222,20 +297,34 @@ def position_masks(
     return (sympy.Or(*complete) if complete else None), nodes, (sympy.Or(*skippable) if skippable else None)
 
 
-def _position_formula(node: object) -> Optional[sympy.Boolean]:
-    """``node`` as a condition on the positions m and n alone, or None."""
+def _position_formula(node: object, reads: Optional[PositionReads] = None) -> Optional[sympy.Boolean]:
+    """``node`` as a condition on the positions m and n alone (and, with ``reads``, on vectors read at them), or
+    None. A node that is not a formula leaves ``reads`` as it was."""
+    before = None if reads is None else (reads.rows, reads.columns)
     try:
-        formula = _value(node)
+        formula = _value(node, reads=reads)
     except (Unknown, KeyError, TypeError):
-        return None
-    if formula.free_symbols <= {ROW, COL} and isinstance(formula, sympy.logic.boolalg.Boolean):
+        formula = None
+    symbols = {ROW, COL} | ({ROW_READ, COL_READ} if reads is not None else set())
+    if formula is not None and formula.free_symbols <= symbols and isinstance(formula, sympy.logic.boolalg.Boolean):
         return formula
+    if reads is not None:
+        reads.rows, reads.columns = before
     return None
 
 
-def _known_terms(terms: list[tuple[object, bool]]) -> list[sympy.Boolean]:
+def reads_vectors(formula: Optional[sympy.Basic]) -> bool:
+    """Whether ``formula`` reads a position vector from memory (ROW_READ or COL_READ)."""
+    return formula is not None and bool(formula.free_symbols & {ROW_READ, COL_READ})
+
+
+def _known_terms(terms: list[tuple[object, bool]], reads: Optional[PositionReads] = None) -> list[sympy.Boolean]:
     """The formulas of the terms of a -inf mask (``masked_terms``) that depend on positions alone."""
-    formulas = [(_position_formula(term), negated) for term, negated in terms]
+    # (An id-equality mask keeps its own run-time summary, ``matched_id_masks``, which the backward also reads.)
+    formulas = [
+        (None if reads is not None and _id_sides(term, negated, reads.scores) else _position_formula(term, reads), negated)
+        for term, negated in terms
+    ]
     return [sympy.Not(formula) if negated else formula for formula, negated in formulas if formula is not None]
 
 
@@ -368,10 +457,12 @@ class TensorMask:
     alone: bool  # the term is the mask's only one: where no cell of a tile masks, the mask keeps the tile whole
 
 
-def matched_tensor_masks(chain: list[torch.fx.Node], scores: torch.fx.Node) -> list[TensorMask]:
+def matched_tensor_masks(
+    chain: list[torch.fx.Node], scores: torch.fx.Node, reads: Optional[PositionReads] = None
+) -> list[TensorMask]:
     """Every -inf mask term that is a boolean tensor of the scores' last two dims, or of their columns broadcast
     over the rows (a key-padding mask ``[B, 1, 1, N]``), computed without the scores, that neither a position
-    formula nor an id summary covers."""
+    formula (over ``reads`` too) nor an id summary covers."""
     rows, columns = scores.meta["val"].shape[-2:]
     static_rows = isinstance(rows, int)
     found = []
@@ -386,7 +477,7 @@ def matched_tensor_masks(chain: list[torch.fx.Node], scores: torch.fx.Node) -> l
                 and value.shape[-1] == columns
                 and (value.shape[-2] == rows or (value.shape[-2] == 1 and static_rows))
                 and all(isinstance(size, int) for size in value.shape)
-                and not _known_terms([(term, negated)])
+                and not _known_terms([(term, negated)], copy.copy(reads))
                 and _id_sides(term, negated, scores) is None
                 and not depends_on(term, scores, {})
             ):

@@ -131,6 +131,22 @@ def _cells(graph: torch.fx.Graph, row_cells: torch.fx.Node, outside: float, redu
     return call_op(graph, reduction, (cells, [-2]))
 
 
+def position_cells(graph: torch.fx.Graph, vector: torch.fx.Node, rows: bool) -> torch.fx.Node:
+    """Graph nodes bounding a position vector read at the rows (``[*lead, M, 1]``) or at the columns (``[*lead, 1,
+    N]`` or ``[*lead, N]``) over each cell of ``MASK_TABLE_CELL`` positions: ``[*lead, ⌈L/c⌉, 2]``, the least and the
+    greatest value of each cell. The kernel's pre-pass bounds a tile by its cells (``block_sparsity.PositionReads``)
+    instead of reading every position of every column tile in every program."""
+    shape = _val(vector).shape
+    lead, length = list(shape[:-2]), shape[-2] if rows else shape[-1]
+    limits = torch.iinfo(_val(vector).dtype)
+    elements = call_op(graph, aten.reshape.default, (vector, [*lead, 1, length]))
+    bounds = [  # [*lead, 1, cells] -> [*lead, cells, 1]
+        call_op(graph, aten.permute.default, (_cells_of_rows(graph, elements, outside, reduction), [*range(len(lead)), -1, -2]))
+        for outside, reduction in ((limits.max, aten.amin.default), (limits.min, aten.amax.default))
+    ]
+    return call_op(graph, aten.cat.default, (bounds, -1))
+
+
 def _table_cells(score_shape: torch.Size, mask_table: torch.fx.Node) -> list:
     """The cells of the scores' rows and columns, as the kernel indexes them (one row of cells is expanded)."""
     return [-(-score_shape[-2] // MASK_TABLE_CELL), _val(mask_table).shape[-1]]

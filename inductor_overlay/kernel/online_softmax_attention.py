@@ -101,6 +101,7 @@ def online_softmax_attention_template(
     exact_subgraph: Optional[int] = None,
     shared_v: bool = False,
     stores_lse: bool = False,
+    position_subgraphs: Optional[tuple[Optional[int], Optional[int]]] = None,
 ) -> TritonTemplate:
     """The kernel template (``templates/online_softmax_attention.py.jinja``) for operands with the given numbers of
     batch dims (q, kᵀ, v and, if there is a fourth, the sink), position mask (tests for entirely masked and entirely
@@ -120,6 +121,7 @@ def online_softmax_attention_template(
     assert not stores_lse or (softmax and groups == 1 and pair_rank is None and exact_subgraph is None)
     if shared_v:
         assert softmax and groups > 1 and id_subgraphs is None and table_subgraph is None and "SINK" not in names
+        assert position_subgraphs is None
     source = template_files.render(
         "online_softmax_attention.py.jinja",
         names=names,
@@ -128,7 +130,7 @@ def online_softmax_attention_template(
         output_dims=[(size, math.prod(output_batch[dim + 1 :])) for dim, size in enumerate(output_batch)],
         softmax=softmax, sink="SINK" in names, pair=pair_rank is not None, groups=groups, shared_v=shared_v,
         masked_tile=masked_tile_code, visible_tile=visible_tile_code, ids=id_subgraphs, table=table_subgraph,
-        wide=wide_logits, exact_chain=exact_subgraph, stores_lse=stores_lse,
+        wide=wide_logits, exact_chain=exact_subgraph, stores_lse=stores_lse, positions=position_subgraphs,
     )
     return _template_of(source)
 
@@ -534,7 +536,7 @@ def _shares_v_tile(chain: Any, groups: int, operands: Sequence[Any], dv: Any, pl
     registers."""
     if not (overlay_config.share_v_tile_in_head_groups and plain_operands and chain.softmax):
         return False
-    if chain.id_graph_modules is not None or chain.mask_table_module is not None:
+    if chain.id_graph_modules is not None or chain.mask_table_module is not None or chain.position_graph_modules is not None:
         return False  # the tile range would depend on the head's batch entry
     v = operands[2]
     batch_sizes, batch_strides = v.get_size()[:-2], v.get_stride()[:-2]
@@ -584,6 +586,13 @@ def _lower_attention(q, kt, v, captured, sink, chain, group_coefficients=None, p
     if chain.id_graph_modules is not None:
         id_subgraphs = (len(chains), len(chains) + 1)
         chains += list(chain.id_graph_modules)
+    position_subgraphs = None
+    if chain.position_graph_modules is not None and (masked_tile is not None or visible_tile is not None):
+        numbers = []
+        for module in chain.position_graph_modules:  # the vectors read at the rows and at the columns
+            numbers.append(None if module is None else len(chains))
+            chains += [] if module is None else [module]
+        position_subgraphs = tuple(numbers)
     # The chains' inputs after the scores: the tensors they read, then the sizes they compute with. A size that is
     # not a dim of the scores (the head dim in a 1/sqrt(D) scale) is specialised, as the head dims are: the chain
     # may use it as a scalar, which Inductor's template codegen would give a tile's shape.
@@ -646,7 +655,7 @@ def _lower_attention(q, kt, v, captured, sink, chain, group_coefficients=None, p
     template_key = (
         ranks, masked_tile, chain.softmax, groups, visible_tile, pair_rank,
         tuple(output_batch) if output_batch is not None else (0,), id_subgraphs, table_subgraph, chain.wide_logits,
-        exact_subgraph, shared_v, stores_lse,
+        exact_subgraph, shared_v, stores_lse, position_subgraphs,
     )
     logit_scale, sink_scale = LOG2E * chain.folded_scale, chain.sink_scale * LOG2E
     tiny_logit_scale = _power_of_two_below(logit_scale)

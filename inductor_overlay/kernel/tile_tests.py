@@ -15,7 +15,7 @@ from typing import Any, Optional, Sequence
 
 import sympy
 
-from inductor_overlay.ops import COL, ROW
+from inductor_overlay.ops import COL, COL_READ, ROW, ROW_READ
 
 # Over the row tile's id range [row_id_lo, row_id_hi] and the column ids of SCAN_TILES tiles ([SCAN_TILES, BLOCK_N]).
 IDS_ALL_EQUAL = "((row_id_lo == row_id_hi) & (tl.min(col_ids, 1) == row_id_lo) & (tl.max(col_ids, 1) == row_id_lo))"
@@ -50,13 +50,21 @@ def _interval(expr: sympy.Expr, bounds: dict) -> _Interval:
     if isinstance(expr, sympy.floor) and isinstance(expr.args[0], sympy.Mul):
         numerator, denominator = expr.args[0].as_numer_denom()
         if denominator.is_Integer and int(denominator) > 0:
-            inner = _interval(numerator, bounds)
-            return _Interval(f"({inner.lo} // {int(denominator)})", f"({inner.hi} // {int(denominator)})")
+            inner, divide = _interval(numerator, bounds), _floor_division(numerator.is_nonnegative)
+            return _Interval(divide(inner.lo, int(denominator)), divide(inner.hi, int(denominator)))
     if isinstance(expr, sympy.Abs):
         inner = _interval(expr.args[0], bounds)
         lo = f"tl.where({inner.lo} > 0, {inner.lo}, tl.where({inner.hi} < 0, -({inner.hi}), 0))"
         return _Interval(lo, f"tl.maximum(-({inner.lo}), {inner.hi})")
     raise Unbounded(expr)
+
+
+def _floor_division(nonnegative: bool):
+    """Triton source for ⌊x / d⌋ (d > 0): Triton's integer ``//`` rounds toward zero, which is the floor only for
+    x ≥ 0 (positions m and n with nonnegative factors); otherwise one less where x is negative and not a multiple."""
+    if nonnegative:
+        return lambda x, d: f"({x} // {d})"
+    return lambda x, d: f"tl.where(({x}) % {d} < 0, ({x}) // {d} - 1, ({x}) // {d})"
 
 
 def _always(formula: sympy.Boolean, bounds: dict) -> tuple[str, str]:
@@ -89,20 +97,42 @@ def _always(formula: sympy.Boolean, bounds: dict) -> tuple[str, str]:
     raise Unbounded(formula)
 
 
+# The kernels' names for the bounds of each position over a tile: its rows and columns, and the values of the
+# vectors read at them (the pre-pass's ``row_pos`` and ``col_pos``).
+_BOUNDS = {
+    ROW: _Interval("m_lo", "m_hi"),
+    COL: _Interval("n_lo", "n_hi"),
+    ROW_READ: _Interval("row_pos_lo", "row_pos_hi"),
+    COL_READ: _Interval("col_pos_lo", "col_pos_hi"),
+}
+
+
 def _tile_codes(formula: Optional[sympy.Boolean]) -> tuple[Optional[str], Optional[str]]:
     """(formula holds on every element of the tile [m_lo, m_hi] × [n_lo, n_hi], holds on none), or Nones."""
     if formula is None:
         return None, None
-    bounds = {ROW: _Interval("m_lo", "m_hi"), COL: _Interval("n_lo", "n_hi")}
+    bounds = _BOUNDS
     try:
         return _always(formula, bounds)
     except Unbounded:
         return None, None
 
 
-def masked_tile_test(formula: Optional[sympy.Boolean]) -> Optional[str]:
-    """The test that every element of a tile is masked, for ``formula``: where the chain sets a logit to -inf."""
+def masked_tile_test(formula: Optional[sympy.Boolean], reads_vectors: bool = True) -> Optional[str]:
+    """The test that every element of a tile is masked, for ``formula``: where the chain sets a logit to -inf.
+    Without ``reads_vectors`` (a kernel with no pre-pass over position vectors), the formula's terms that read them
+    are left out: the test then skips fewer tiles."""
+    if not reads_vectors:
+        formula = _without_reads(formula)
     return _tile_codes(formula)[0]
+
+
+def _without_reads(formula: Optional[sympy.Boolean]) -> Optional[sympy.Boolean]:
+    """The terms of an Or of masked conditions that read no position vector (where each holds, the Or does)."""
+    if formula is None or not formula.free_symbols & {ROW_READ, COL_READ}:
+        return formula
+    terms = [t for t in sympy.Or.make_args(formula) if not t.free_symbols & {ROW_READ, COL_READ}]
+    return sympy.Or(*terms) if terms else None
 
 
 def visible_tile_test(chain: Any) -> Optional[str]:
