@@ -89,6 +89,11 @@ fold_logit_scale: bool = os.environ.get("FLASHLIGHT_FOLD_LOGIT_SCALE", "1") != "
 # whose softmax state shows a NaN or an infinity runs again with them (fx_passes/finite_speculation.py).
 speculate_finite_scores: bool = os.environ.get("FLASHLIGHT_SPECULATE_FINITE_SCORES", "1") != "0"
 
+# A difference of two captured integer position vectors that the chain reads as float32 (ALiBi's
+# ``slopes * (pos[n] - pos[m])``) is computed from each vector converted to float32 once, instead of in 64-bit
+# integers per logit; a row tile with a position of magnitude 2^23 or more runs again with the exact chain.
+narrow_positions: bool = os.environ.get("FLASHLIGHT_NARROW_POSITIONS", "1") != "0"
+
 # Row tiles are launched last first: under a causal mask (or any mask whose visible columns grow with the row)
 # the longest programs start first and the short ones fill the tail, as FlashAttention schedules them.
 last_rows_first: bool = os.environ.get("FLASHLIGHT_LAST_ROWS_FIRST", "1") != "0"

@@ -62,3 +62,18 @@ def triton_poi_changing_type_0(out_ptr0, xnumel, XBLOCK: tl.constexpr):
     code = f"triton_poi_changing_type_0 = async_compile.triton('triton_poi_changing_type_0', '''{kernel}''', device_str='cpu')"
     with pytest.raises(AssertionError, match="Loop-carried variable x"):
         testing.check_gpu_front_end(code)
+
+
+def test_written_form_kernels_pass_the_gpu_front_end():
+    """Every written form of the position-based variants (captured positions, buffers, masks passed in): the
+    pre-pass over position cells is Triton the GPU compiler accepts."""
+    from benchmarks.written_forms import FORMS
+
+    code = []
+    for variant in FORMS.values():
+        q, k, v, extras = make_inputs(variant, Shape(B=1, H=4, M=40, N=40, D=16))
+        for fn in variant.idioms.values():
+            with testing.cpu_triton():
+                _, generated = testing.compile_and_get_code(fn, q, k, v, **extras)
+            code += generated
+    testing.check_gpu_front_end(code)

@@ -30,7 +30,7 @@ from inductor_overlay.fx_passes.block_sparsity import (
 )
 from inductor_overlay.fx_passes.block_sparsity import _COPIES, _DIM_VIEWS
 from inductor_overlay.fx_passes.block_sparsity import is_op as _is
-from inductor_overlay.fx_passes.finite_speculation import guard_only_nodes, speculation_bound
+from inductor_overlay.fx_passes.finite_speculation import MAX_BOUND, guard_only_nodes, speculation_bound
 from inductor_overlay.fx_passes.logit_scale import fold_constant_scale
 from inductor_overlay.fx_passes.sdpa_route import replace_by_sdpa, sdpa_call
 from inductor_overlay import ops
@@ -53,7 +53,7 @@ from inductor_overlay.fx_passes.attention_region import (
     _looks_like_softmax_input,
     find_attention,
 )
-from inductor_overlay.fx_passes.chain_modules import _chain_value_module, _reroute_size_reads, _score_chain_module
+from inductor_overlay.fx_passes.chain_modules import _chain_value_module, _reroute_size_reads, _score_chain_module, narrowed_differences
 from inductor_overlay.fx_passes.mask_tables import _mask_table, _shared_table, _table_cells, position_cells
 
 # TORCH_LOGS=flashlight shows every fused attention and every declined one with its reason.
@@ -258,15 +258,21 @@ def fuse(
     drops_mask_loads = (tensor_mask is not None and tensor_mask.alone) or additive_mask is not None
     droppable = [*mask_nodes, *([id_mask.where] if id_mask is not None and id_mask.alone else [])]
     droppable += [tensor_mask.where if tensor_mask else additive_mask.add] if drops_mask_loads else []
+    # Differences of captured positions taken in float32 speculate like the finite guards (not in training: the
+    # backward recomputes the chain exactly).
+    narrows = config.narrow_positions and not training and region.softmax and region.sink is None and region.pair is None
+    narrowed = narrowed_differences(region) if narrows else frozenset()
+    if narrowed and not guards:
+        row_max_bound = MAX_BOUND  # only a NaN fails the check
     unmasked = None
     if droppable and config.split_visible_tiles:
-        unmasked = _score_chain_module(region, frozenset(droppable), guards)
+        unmasked = _score_chain_module(region, frozenset(droppable), guards, narrowed)
     split = unmasked is not None and _worth_a_visible_loop(unmasked, region, drops_mask_loads)
     chain_module, unmasked_module, folded_scale = _folded_chains(
-        region, _score_chain_module(region, guards=guards), unmasked if split else None, fills
+        region, _score_chain_module(region, guards=guards, narrowed=narrowed), unmasked if split else None, fills
     )
     exact_module, exact_scale = None, 1.0
-    if guards:
+    if guards or narrowed:
         exact_module, _, exact_scale = _folded_chains(region, _score_chain_module(region), None, fills)
     chain = ScoreChain(
         graph_module=chain_module,

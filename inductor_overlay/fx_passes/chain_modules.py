@@ -43,17 +43,24 @@ def _chain_inputs(region: AttentionRegion) -> tuple[torch.fx.Graph, dict]:
 
 
 def _score_chain_module(
-    region: AttentionRegion, unmasked: frozenset = frozenset(), guards: Optional[dict] = None
+    region: AttentionRegion, unmasked: frozenset = frozenset(), guards: Optional[dict] = None,
+    narrowed: frozenset = frozenset(),
 ) -> torch.fx.GraphModule:
     """The chain from scores to logits as its own graph: (scores, *captured) -> logits. The ``where(cond, -inf, x)``
     nodes in ``unmasked`` pass ``x`` through (for tiles where ``cond`` is false everywhere), and an additive mask's
     add there passes the scores through (for tiles where its bias is 0). The finite guards in ``guards`` pass
-    their ``x`` through (``finite_speculation``)."""
+    their ``x`` through (``finite_speculation``). The differences of position vectors in ``narrowed``
+    (``narrowed_differences``) are taken in float32 from each vector converted once, NaN where a position is too
+    large for that to be exact: the kernel's speculation check then runs the whole chain."""
     graph, env = _chain_inputs(region)
     zeros: set[torch.fx.Node] = set()  # chain nodes that are 0 on these tiles: a bias ``where(cond, -inf, 0)``
     for node in region.chain:
         if guards and node in guards:  # x, in the guard's dtype
             env[node] = _in_dtype_of(graph, env[guards[node]], guards[node], node)
+            continue
+        if node in narrowed:
+            left, right = (_exact_float(graph, env[arg]) for arg in node.args[:2])
+            env[node] = graph.call_function(node.target, (left, right))
             continue
         if node in unmasked and node.target is aten.add.Tensor:  # an additive mask: its bias is 0 on these tiles
             addend = next(arg for arg in node.args if depends_on(arg, region.score_root, {}))
@@ -80,6 +87,56 @@ def _score_chain_module(
     graph.output(logits)
     graph.eliminate_dead_code()  # the bypassed masks' conditions
     return torch.fx.GraphModule(torch.nn.Module(), graph)
+
+
+# Integers of magnitude below this convert to float32 exactly, and so do the sums and differences of two of them.
+EXACT_FLOAT_POSITION = 2**23
+
+
+def _exact_float(graph: torch.fx.Graph, position: torch.fx.Node) -> torch.fx.Node:
+    """An integer position as float32, NaN where its magnitude reaches ``EXACT_FLOAT_POSITION``."""
+    as_float = graph.call_function(prims.convert_element_type.default, (position, torch.float32))
+    fits = graph.call_function(aten.lt.Scalar, (graph.call_function(aten.abs.default, (position,)), EXACT_FLOAT_POSITION))
+    nan = graph.call_function(aten.mul.Tensor, (as_float, float("nan")))
+    return graph.call_function(aten.where.self, (fits, as_float, nan))
+
+
+def narrowed_differences(region: AttentionRegion) -> frozenset:
+    """The chain's sums and differences ``a ± b`` of two integer vectors read from memory at the rows or the columns
+    (captured positions: ALiBi's ``pos[None, :] - pos[:, None]``) whose every use reads them as float32 (a product
+    or sum with a float32 tensor, or a conversion to float32). In 64-bit integers each logit pays a subtraction and a
+    conversion; converted once per vector they cost one float subtraction, and equal where |a|, |b| < 2^23."""
+    found = []
+    for node in region.chain:
+        value = _val(node)
+        if not (_is(node, (aten.sub.Tensor, aten.add.Tensor)) and node.kwargs.get("alpha", 1) == 1 and len(node.args) == 2):
+            continue
+        if value is None or value.dtype.is_floating_point or value.dtype is torch.bool:
+            continue
+        if all(_is_vector(region, arg) for arg in node.args) and node.users and all(_reads_as_float32(u, node) for u in node.users):
+            found.append(node)
+    return frozenset(found)
+
+
+def _is_vector(region: AttentionRegion, node: object) -> bool:
+    """An integer tensor computed without the scores that varies along at most one of the logits' two dims."""
+    value = _val(node) if isinstance(node, torch.fx.Node) else None
+    if value is None or value.dtype.is_floating_point or value.dtype is torch.bool or value.dtype.is_complex:
+        return False
+    if node not in region.chain and node not in region.captured:
+        return False
+    return not depends_on(node, region.score_root, {}) and (value.dim() < 2 or 1 in tuple(value.shape[-2:]))
+
+
+def _reads_as_float32(user: torch.fx.Node, node: torch.fx.Node) -> bool:
+    if _is(user, prims.convert_element_type.default):
+        return user.args[1] is torch.float32
+    if not _is(user, (aten.mul.Tensor, aten.add.Tensor, aten.sub.Tensor)) or user.kwargs.get("alpha", 1) != 1:
+        return False
+    others = [arg for arg in user.args[:2] if arg is not node]
+    return len(others) == 1 and isinstance(others[0], torch.fx.Node) and _val(others[0]) is not None and (
+        _val(others[0]).dtype is torch.float32
+    )
 
 
 def _in_dtype_of(graph: torch.fx.Graph, value: torch.fx.Node, source: torch.fx.Node, node: torch.fx.Node) -> torch.fx.Node:

@@ -1,0 +1,101 @@
+"""The position-based variants in every written form (``benchmarks/written_forms.py``): positions made once outside
+the compiled function or kept as registered buffers bound tiles at run time from their values; masks passed in or
+sliced from a buffer are summarised into tables; ALiBi over captured positions converts each vector once."""
+
+import pytest
+import sympy
+import torch
+from torch.testing import FileCheck
+
+from benchmarks import variants
+from benchmarks.written_forms import FORMS, MADE_ONCE
+from flashlight import testing
+from inductor_overlay import ops
+from inductor_overlay.kernel import tile_tests
+
+FORM_CASES = [
+    pytest.param(name, form, id=f"{name}-{form}") for name, variant in FORMS.items() for form in variant.idioms
+]
+
+
+def _compile(fn, *args, **kwargs):
+    with testing.cpu_triton():
+        return testing.compile_and_get_code(fn, *args, **kwargs)
+
+
+def _kernel(code):
+    return "\n".join(source for name, source in testing.triton_kernels(code).items() if "tem_fused" in name)
+
+
+def _float64(extras):
+    return {name: t.double() if t.is_floating_point() else t for name, t in extras.items()}
+
+
+@pytest.mark.parametrize("name,form", FORM_CASES)
+def test_every_written_form_fuses_and_matches_eager(name, form):
+    variant = FORMS[name]
+    q, k, v, extras = variants.make_inputs(variant, variants.Shape(B=2, H=4, M=70, N=70, D=16))
+    out, code = _compile(variant.idioms[form], q, k, v, **extras)
+    expected = variant.reference(q.double(), k.double(), v.double(), **_float64(extras))
+    testing.assert_close_to_reference(out, expected)
+    assert "for start_n in" in _kernel(code) or "partial_n" in _kernel(code)
+    assert not any(size >= 70 * 70 * 2 for size in testing.allocated_buffer_numels(code)), "a score-sized buffer"
+
+
+@pytest.mark.parametrize("form", ["captured_positions", "registered_buffer"])
+def test_captured_positions_bound_tiles_from_their_cells(form):
+    """The causal mask over captured positions becomes a formula over the values read at the rows and columns; the
+    pre-pass bounds them per tile from per-cell bounds summarised once per call, skips the tiles above the diagonal
+    (poisoned values there never reach the rows that do not see them) and runs the tiles below it without the mask."""
+    variant = FORMS["forms_causal"]
+    q, k, v, extras = variants.make_inputs(variant, variants.Shape(B=1, H=2, M=128, N=128, D=16))
+    poisoned = v.clone()
+    poisoned[..., 64:, :] = float("nan")  # keys rows 0..63 never see; a visit spreads NaN through P·V even at P = 0
+    out, code = _compile(variant.idioms[form], q, k, poisoned, **extras)
+    kernel = _kernel(code)
+    FileCheck().check("row_pos_lo = tl.min(row_cell_lo)").check("for scan_n in range(").check(
+        "col_pos_lo = tl.min(col_cell_lo, 1)"
+    ).check("masked = (").check("row_pos_hi").check("visible = ~masked &").run(kernel)
+    assert testing.column_tile_loops(kernel) == 2, "the visible tiles' loop and the partial tiles'"
+    expected = variant.reference(q.double(), k.double(), v.double(), **_float64(extras))
+    testing.assert_close_to_reference(out[..., :64, :], expected[..., :64, :])
+
+
+def test_a_changed_buffer_changes_the_result():
+    """Nothing is specialised on the captured values: positions changed in place between calls (reversed, then
+    shifted far out) give eager's results, the tile bounds read at run time."""
+    variant = FORMS["forms_causal"]
+    q, k, v, extras = variants.make_inputs(variant, variants.Shape(B=1, H=2, M=96, N=96, D=16))
+    fn = variant.idioms["captured_positions"]
+    compiled = torch.compile(fn)
+    position = MADE_ONCE["forms_causal"]["position"]
+    with testing.cpu_triton():
+        torch._dynamo.reset()
+        for change in (lambda p: p, lambda p: p.flip(0), lambda p: p * 3 + 2**40):
+            position.copy_(change(torch.arange(96)))
+            out = compiled(q, k, v, **extras)
+            testing.assert_close_to_reference(out, fn(q.double(), k.double(), v.double()))
+
+
+def test_alibi_over_captured_positions_converts_each_vector_once():
+    """``slopes * (pos[n] - pos[m])`` over captured int64 positions: the fast chain converts each position vector to
+    float32 (one subtraction per logit instead of a 64-bit one and a conversion); a position of magnitude 2^23 or
+    more makes the fast chain NaN, and the row tile runs again with the exact chain."""
+    variant = FORMS["forms_alibi"]
+    q, k, v, extras = variants.make_inputs(variant, variants.Shape(B=1, H=2, M=64, N=64, D=16))
+    fn = variant.idioms["captured_positions"]
+    position = MADE_ONCE["forms_alibi"]["position"]
+    for offset in (0, 2**30):  # exact in float32, then too large for it
+        position.copy_(torch.arange(64) + offset)
+        out, code = _compile(fn, q, k, v, **extras)
+        FileCheck().check("speculation_failed").run(_kernel(code))
+        testing.assert_close_to_reference(out, fn(q.double(), k.double(), v.double()))
+
+
+def test_floor_of_a_difference_rounds_down_for_negative_values():
+    """Triton's integer ``//`` rounds toward zero: the tile bound of ⌊pn/4⌋ (a value read from memory, of any sign)
+    corrects it where the value may be negative, and keeps the plain division for positions known nonnegative."""
+    lo = tile_tests._interval(sympy.floor(ops.COL_READ / 4), tile_tests._BOUNDS).lo
+    assert lo.startswith("tl.where(") and "% 4 < 0" in lo
+    plain = tile_tests._interval(sympy.floor(ops.ROW / 4), tile_tests._BOUNDS).lo
+    assert plain == "(m_lo // 4)"
