@@ -99,3 +99,30 @@ def test_floor_of_a_difference_rounds_down_for_negative_values():
     assert lo.startswith("tl.where(") and "% 4 < 0" in lo
     plain = tile_tests._interval(sympy.floor(ops.ROW / 4), tile_tests._BOUNDS).lo
     assert plain == "(m_lo // 4)"
+
+
+def test_captured_positions_train_with_the_fused_backward():
+    """In training the forward skips tiles by the captured positions' cells; the backward, which has no pre-pass over
+    position vectors, leaves those terms out of its tile test and masks per element: outputs and gradients match
+    float64 eager, and nothing falls back (containment off: a fault raises)."""
+    from torch._dynamo.utils import counters
+
+    from inductor_overlay import config
+
+    variant = FORMS["forms_sliding_window"]
+    q, k, v, _ = variants.make_inputs(variant, variants.Shape(B=1, H=2, M=64, N=64, D=16))
+    fn = variant.idioms["captured_positions"]
+    leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+    counters.clear()
+    with testing.cpu_triton(), config.patch(sdpa_pattern_policy="flashlight", fault_containment=False):
+        torch._dynamo.reset()
+        out = torch.compile(fn)(*leaves)
+        grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(0))
+        out.backward(grad)
+    assert counters["inductor"]["flashlight_attention_fused_for_training"] == 1
+    exact = [t.detach().double().requires_grad_(True) for t in (q, k, v)]
+    expected = fn(*exact)
+    expected.backward(grad.double())
+    testing.assert_close_to_reference(out, expected)
+    for leaf, reference in zip(leaves, exact):
+        testing.assert_close_to_reference(leaf.grad, reference.grad)

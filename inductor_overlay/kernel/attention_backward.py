@@ -133,7 +133,7 @@ def online_softmax_attention_backward_lowering(
     fp32_dot = q.get_dtype() == torch.float32
     wide = not all(expr_fits_within_32bit(t.get_layout().storage_size()) for t in [*operands, *captured])
     template = backward_template(
-        ranks, tile_tests.masked_tile_test(chain.masked_formula), chain.wide_logits, chain.id_graph_modules is not None,
+        ranks, tile_tests.masked_tile_test(chain.masked_formula, reads_vectors=False), chain.wide_logits, chain.id_graph_modules is not None,
         table,
     )
     logit_scale = LOG2E * chain.folded_scale
