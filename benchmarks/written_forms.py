@@ -17,7 +17,22 @@ from typing import Any, Callable, Optional
 import torch
 from torch import nn
 
-from benchmarks.variants import GEMMA_CAP, GEMMA_WINDOW, PREFIX, WINDOW, Shape, Variant, _prefix_fraction, _scale, _window_fraction
+from benchmarks.variants import (
+    GEMMA_CAP,
+    GEMMA_WINDOW,
+    PREFIX,
+    WINDOW,
+    Shape,
+    Variant,
+    _document_ids,
+    _document_pairs_fraction,
+    _padding,
+    _prefix_fraction,
+    _scale,
+    _window_fraction,
+    document_mask,
+    key_padding_bool_masked_fill,
+)
 
 Tensor = torch.Tensor
 # Tensors and modules the forms read, made by ``extras`` outside the compiled function, by family.
@@ -142,6 +157,46 @@ def _window(rows, cols, window):
     return (cols <= rows) & (rows - cols < window)
 
 
+class DataBuffer(nn.Module):
+    """A module that keeps per-token data (document ids, a padding mask) as a registered buffer."""
+
+    def __init__(self, data: Tensor, attention: Callable[..., Tensor]) -> None:
+        super().__init__()
+        self.register_buffer("data", data, persistent=False)
+        self.attention = attention
+
+    def forward(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        return self.attention(q, k, v, self.data)
+
+
+def _data_variant(name: str, key: str, make: Callable, attention: Callable, keep: Callable, **variant: Any) -> Variant:
+    """A family whose mask comes from per-token data (``key``: document ids, a padding mask): passed in as an argument
+    (the variant library's form, the reference), captured, kept as a registered buffer, or turned by user code into a
+    boolean mask passed in (``keep(data)``, broadcastable to the scores)."""
+
+    def passed_in(q, k, v, **extras):
+        return attention(q, k, v, extras[key])
+
+    def captured(q, k, v, **_):
+        return attention(q, k, v, MADE_ONCE[name][key])
+
+    def registered_buffer(q, k, v, **_):
+        return MADE_ONCE[name]["module"](q, k, v)
+
+    def mask_passed_in(q, k, v, keep, **_):
+        scores = q @ k.transpose(-2, -1) * _scale(q)
+        return torch.softmax(scores.masked_fill(~keep, float("-inf")), dim=-1) @ v
+
+    def extras(shape: Shape, device: torch.device, dtype: torch.dtype) -> dict:
+        data = make(shape, device, dtype)[key]
+        MADE_ONCE[name] = {key: data.clone(), "module": DataBuffer(data.clone(), attention)}
+        return {key: data, "keep": keep(data)}
+
+    idioms = {f"{key}_passed_in": passed_in, "captured": captured, "registered_buffer": registered_buffer,
+              "mask_passed_in": mask_passed_in}
+    return Variant(name=name, idioms=idioms, extras=extras, self_attention=True, **variant)
+
+
 FORMS: dict[str, Variant] = {
     variant.name: variant
     for variant in (
@@ -172,6 +227,18 @@ FORMS: dict[str, Variant] = {
         _variant(
             Family("forms_alibi", alibi=True),
             flex_score_mod=lambda extras: (lambda s, b, h, m, n: s + extras["slopes"][h] * (n - m)),
+        ),
+        _data_variant(
+            "forms_document", "document_id", _document_ids, document_mask,
+            keep=lambda ids: ids[:, None, :, None] == ids[:, None, None, :],
+            flex_mask_mod=lambda extras: (lambda b, h, m, n: extras["document_id"][b, m] == extras["document_id"][b, n]),
+            drawn_visible_fraction=_document_pairs_fraction,
+        ),
+        _data_variant(
+            "forms_key_padding", "attention_mask", _padding, key_padding_bool_masked_fill,
+            keep=lambda mask: (mask != 0)[:, None, None, :],
+            flex_mask_mod=lambda extras: (lambda b, h, m, n: extras["attention_mask"][b, n] > 0),
+            drawn_visible_fraction=lambda extras: float(extras["attention_mask"].double().mean()),
         ),
     )
 }

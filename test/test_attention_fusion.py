@@ -44,13 +44,14 @@ def assert_fused_attention(code, out):
     two dots per loop, no extern matmul, and no buffer but the output: the M×N scores never reach memory. A mask
     passed in as a tensor also has its table reduced by the graph (``block_sparsity.TensorMask``): reduction
     kernels (and the pointwise sum of its two reductions) and buffers of about 1/32 of the mask's elements; an
-    additive mask computed in the graph, the table kernel and its scratch of the same size. A value computed from
+    additive mask computed in the graph, the table kernel and its scratch of the same size. A mask over positions
+    read from memory has their bounds per cell reduced likewise (``mask_tables.position_cells``). A value computed from
     the distance n − m alone (T5's bias) has a pointwise kernel that writes it once per distance."""
     kernels = testing.triton_kernels(code)
     attention = [text for text in kernels.values() if "for start_n in range(" in text]
     assert len(attention) == 1, f"{len(attention)} attention kernels"
     kernel = attention[0]
-    table = "cell_states = " in kernel
+    table = "cell_states = " in kernel or "row_pos_lo = " in kernel or "col_pos_lo = " in kernel
     distance_tables = counters["inductor"]["flashlight_distance_tables"]
     others = [name for name, text in kernels.items() if text is not kernel]
     reductions = ("triton_per_", "triton_red_", "triton_poi_")

@@ -10,7 +10,7 @@ from torch.testing import FileCheck
 from benchmarks import variants
 from benchmarks.written_forms import FORMS, MADE_ONCE
 from flashlight import testing
-from inductor_overlay import ops
+from inductor_overlay import config, ops
 from inductor_overlay.kernel import tile_tests
 
 FORM_CASES = [
@@ -78,7 +78,7 @@ def test_a_changed_buffer_changes_the_result():
 
 
 def test_alibi_over_captured_positions_converts_each_vector_once():
-    """``slopes * (pos[n] - pos[m])`` over captured int64 positions: the fast chain converts each position vector to
+    """``slopes * (pos[n] - pos[m])`` over captured int64 positions (``narrow_positions``): the fast chain converts each position vector to
     float32 (one subtraction per logit instead of a 64-bit one and a conversion); a position of magnitude 2^23 or
     more makes the fast chain NaN, and the row tile runs again with the exact chain."""
     variant = FORMS["forms_alibi"]
@@ -87,7 +87,8 @@ def test_alibi_over_captured_positions_converts_each_vector_once():
     position = MADE_ONCE["forms_alibi"]["position"]
     for offset in (0, 2**30):  # exact in float32, then too large for it
         position.copy_(torch.arange(64) + offset)
-        out, code = _compile(fn, q, k, v, **extras)
+        with config.patch(narrow_positions=True):
+            out, code = _compile(fn, q, k, v, **extras)
         FileCheck().check("speculation_failed").run(_kernel(code))
         testing.assert_close_to_reference(out, fn(q.double(), k.double(), v.double()))
 
@@ -126,3 +127,22 @@ def test_captured_positions_train_with_the_fused_backward():
     testing.assert_close_to_reference(out, expected)
     for leaf, reference in zip(leaves, exact):
         testing.assert_close_to_reference(leaf.grad, reference.grad)
+
+
+@pytest.mark.parametrize(
+    "name,form,says",
+    [
+        ("forms_sliding_window", "in_function", "tiles skipped where (n > m) | (m - n >= 1024); entirely visible"),
+        ("forms_sliding_window", "captured_positions", "(positions read from memory, bounded per tile from their values)"),
+        ("forms_sliding_window", "mask_passed_in", "a mask tensor summarised per call into cells of 32x32"),
+        ("forms_alibi", "captured_positions", "every tile visited (no mask whose tiles the analysis can bound)"),
+    ],
+)
+def test_the_fusion_log_says_how_tiles_are_chosen(name, form, says, caplog):
+    import logging
+
+    variant = FORMS[name]
+    q, k, v, extras = variants.make_inputs(variant, variants.Shape(B=1, H=2, M=40, N=40, D=16))
+    with caplog.at_level(logging.INFO, logger="flashlight"):
+        _compile(variant.idioms[form], q, k, v, **extras)
+    assert says in caplog.text

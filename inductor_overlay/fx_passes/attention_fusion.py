@@ -308,6 +308,7 @@ def fuse(
             for table in cells
         ),
     )
+    log.info("attention at %s: %s", region.pv.name, describe_tiles(chain))
     # The fused node stands where the first of its outputs was computed.
     anchor = region.pv
     if region.pair is not None:
@@ -345,6 +346,24 @@ def fuse(
     if training:
         return TrainingForward(result, lse, (q, kt, v), list(region.captured), inputs[5], decisions, chain)
     return result
+
+
+def describe_tiles(chain: ScoreChain) -> str:
+    """How the kernel decides which tiles to visit, for the fusion log: what a user reads to see why one written
+    form of a mask skips tiles and another does not."""
+    parts = []
+    if chain.masked_formula is not None:
+        read = " (positions read from memory, bounded per tile from their values)" if reads_vectors(chain.masked_formula) else ""
+        parts.append(f"tiles skipped where {chain.masked_formula}{read}")
+    if chain.id_graph_modules is not None:
+        parts.append("document ids bounded per tile at run time")
+    if chain.mask_table_module is not None:
+        parts.append("a mask tensor summarised per call into cells of 32x32 (a read of the whole mask)")
+    if not parts:
+        return "every tile visited (no mask whose tiles the analysis can bound)"
+    split = chain.unmasked_graph_module is not None
+    parts.append("entirely visible tiles run without the mask" if split else "every visited tile runs the whole chain")
+    return "; ".join(parts)
 
 
 def _output_batch(batch: tuple, groups: int, dv: Any) -> Optional[list[int]]:
