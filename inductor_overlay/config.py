@@ -96,6 +96,12 @@ speculate_finite_scores: bool = os.environ.get("FLASHLIGHT_SPECULATE_FINITE_SCOR
 # 1×16×16384×128, where the kernel's exact redo loop costs more than the 64-bit arithmetic it saves.
 narrow_positions: bool = os.environ.get("FLASHLIGHT_NARROW_POSITIONS", "0") == "1"
 
+# Captured integer positions that a mask orders or that ALiBi subtracts (``arange`` made once outside the compiled
+# function, a registered buffer of it, HF's ``position_ids``) are checked once per call for consecutive values; where
+# they are, the kernel computes them from its own tile positions (no load per tile, 32-bit arithmetic), and where they
+# are not it runs the chain that reads them (fx_passes/chain_modules.affine_positions).
+affine_positions: bool = os.environ.get("FLASHLIGHT_AFFINE_POSITIONS", "1") != "0"
+
 # Row tiles are launched last first: under a causal mask (or any mask whose visible columns grow with the row)
 # the longest programs start first and the short ones fill the tail, as FlashAttention schedules them.
 last_rows_first: bool = os.environ.get("FLASHLIGHT_LAST_ROWS_FIRST", "1") != "0"

@@ -80,6 +80,10 @@ class ScoreChain:
     # (scores, *captured, *sizes) -> the integer vectors the formulas read as ROW_READ and COL_READ, each broadcast to
     # the score shape, or None for one the formulas do not read: the kernel's pre-pass bounds them per tile.
     position_graph_modules: Optional[tuple[Optional[torch.fx.GraphModule], Optional[torch.fx.GraphModule]]] = None
+    # (scores, *captured, *sizes) -> whether every captured position tensor the fast chain rebuilt from an ``iota``
+    # holds consecutive values (``chain_modules.affine_positions``): where it does not, the kernel skips the fast
+    # loops and runs the exact chain (``exact_graph_module``).
+    affine_graph_module: Optional[torch.fx.GraphModule] = None
     # (scores, *captured, *sizes) -> the cell states of a mask passed in as a tensor (``block_sparsity.TensorMask``), as
     # ``[*batch, ⌈M/c⌉, ⌈N/c⌉]`` with c = MASK_TABLE_CELL: the kernel skips tiles all of whose cells are masked.
     mask_table_module: Optional[torch.fx.GraphModule] = None
@@ -109,6 +113,7 @@ SUBGRAPH_NAMES = {
     "position_graph_modules": ("row_positions", "column_positions"),
     "mask_table_module": "mask_table_chain",
     "exact_graph_module": "score_chain_exact",
+    "affine_graph_module": "positions_affine",
 }
 
 

@@ -46,7 +46,8 @@ def test_every_written_form_fuses_and_matches_eager(name, form):
 def test_captured_positions_bound_tiles_from_their_cells(form):
     """The causal mask over captured positions becomes a formula over the values read at the rows and columns; the
     pre-pass bounds them per tile from per-cell bounds summarised once per call, skips the tiles above the diagonal
-    (poisoned values there never reach the rows that do not see them) and runs the tiles below it without the mask."""
+    (poisoned values there never reach the rows that do not see them) and runs the tiles below it without the mask.
+    Consecutive positions (checked per call) are computed from the tile's own; others run the chain that reads them."""
     variant = FORMS["forms_causal"]
     q, k, v, extras = variants.make_inputs(variant, variants.Shape(B=1, H=2, M=128, N=128, D=16))
     poisoned = v.clone()
@@ -55,15 +56,17 @@ def test_captured_positions_bound_tiles_from_their_cells(form):
     kernel = _kernel(code)
     FileCheck().check("row_pos_lo = tl.min(row_cell_lo)").check("for scan_n in range(").check(
         "col_pos_lo = tl.min(col_cell_lo, 1)"
-    ).check("masked = (").check("row_pos_hi").check("visible = ~masked &").run(kernel)
-    assert testing.column_tile_loops(kernel) == 2, "the visible tiles' loop and the partial tiles'"
+    ).check("masked = (").check("row_pos_hi").check("visible = ~masked &").check("if positions_affine:").check(
+        "speculation_failed"
+    ).run(kernel)
+    assert testing.column_tile_loops(kernel) == 3, "the visible tiles' loop, the partial tiles', the exact chain's"
     expected = variant.reference(q.double(), k.double(), v.double(), **_float64(extras))
     testing.assert_close_to_reference(out[..., :64, :], expected[..., :64, :])
 
 
 def test_a_changed_buffer_changes_the_result():
-    """Nothing is specialised on the captured values: positions changed in place between calls (reversed, then
-    shifted far out) give eager's results, the tile bounds read at run time."""
+    """Nothing is specialised on the captured values: positions changed in place between calls give eager's
+    results; the tile bounds and whether the positions are consecutive (and small) are read at run time."""
     variant = FORMS["forms_causal"]
     q, k, v, extras = variants.make_inputs(variant, variants.Shape(B=1, H=2, M=96, N=96, D=16))
     fn = variant.idioms["captured_positions"]
@@ -71,7 +74,8 @@ def test_a_changed_buffer_changes_the_result():
     position = MADE_ONCE["forms_causal"]["position"]
     with testing.cpu_triton():
         torch._dynamo.reset()
-        for change in (lambda p: p, lambda p: p.flip(0), lambda p: p * 3 + 2**40):
+        # consecutive (the fast chain), reversed, consecutive from 2^30 (too large for 32 bits), spread far out
+        for change in (lambda p: p, lambda p: p.flip(0), lambda p: p + 2**30, lambda p: p * 3 + 2**40):
             position.copy_(change(torch.arange(96)))
             out = compiled(q, k, v, **extras)
             testing.assert_close_to_reference(out, fn(q.double(), k.double(), v.double()))

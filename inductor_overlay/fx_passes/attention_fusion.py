@@ -11,6 +11,7 @@ import math
 import operator
 from typing import Any, Optional
 
+import sympy
 import torch
 from torch._dynamo.utils import counters
 
@@ -53,7 +54,13 @@ from inductor_overlay.fx_passes.attention_region import (
     _looks_like_softmax_input,
     find_attention,
 )
-from inductor_overlay.fx_passes.chain_modules import _chain_value_module, _reroute_size_reads, _score_chain_module, narrowed_differences
+from inductor_overlay.fx_passes.chain_modules import (
+    _chain_value_module,
+    _reroute_size_reads,
+    _score_chain_module,
+    affine_positions,
+    narrowed_differences,
+)
 from inductor_overlay.fx_passes.mask_tables import _mask_table, _shared_table, _table_cells, position_cells
 
 # TORCH_LOGS=flashlight shows every fused attention and every declined one with its reason.
@@ -108,6 +115,20 @@ def _position_reads(region: AttentionRegion) -> Optional[PositionReads]:
         )
 
     return PositionReads(region.score_root, readable)
+
+
+def _position_vectors(region: AttentionRegion, reads: Optional[PositionReads], formula: Any) -> list:
+    """The position vectors worth computing from the tile's own positions when they are consecutive: those a mask
+    orders or subtracts (not an equality alone: ids and padding masks are rarely consecutive), and the operands of
+    a difference of positions read as float32 (ALiBi's ``pos[n] - pos[m]``)."""
+    vectors = []
+    if reads is not None and reads_vectors(formula) and formula.atoms(sympy.core.relational.Relational) - formula.atoms(
+        sympy.Eq, sympy.Ne
+    ):
+        vectors += [node for node in (reads.rows, reads.columns) if node is not None]
+    for difference in narrowed_differences(region):
+        vectors += [arg for arg in difference.args[:2] if isinstance(arg, torch.fx.Node)]
+    return vectors
 
 
 def _position_cell_tables(graph: torch.fx.Graph, region: AttentionRegion, reads: PositionReads) -> tuple:
@@ -260,19 +281,25 @@ def fuse(
     droppable += [tensor_mask.where if tensor_mask else additive_mask.add] if drops_mask_loads else []
     # Differences of captured positions taken in float32 speculate like the finite guards (not in training: the
     # backward recomputes the chain exactly).
-    narrows = config.narrow_positions and not training and region.softmax and region.sink is None and region.pair is None
-    narrowed = narrowed_differences(region) if narrows else frozenset()
-    if narrowed and not guards:
-        row_max_bound = MAX_BOUND  # only a NaN fails the check
+    speculates = not training and region.softmax and region.sink is None and region.pair is None and group_coefficients is None
+    narrowed = narrowed_differences(region) if config.narrow_positions and speculates else frozenset()
+    firsts, affine_flag = {}, None
+    if config.affine_positions and speculates:
+        with graph.inserting_before(region.pv):
+            firsts, affine_flag = affine_positions(graph, region, _position_vectors(region, reads, skippable))
+    if affine_flag is not None:
+        region = dataclasses.replace(region, captured=[*region.captured, *firsts.values(), affine_flag])
+    if (narrowed or firsts) and not guards:
+        row_max_bound = MAX_BOUND  # only a NaN or an empty row fails the check
     unmasked = None
     if droppable and config.split_visible_tiles:
-        unmasked = _score_chain_module(region, frozenset(droppable), guards, narrowed)
+        unmasked = _score_chain_module(region, frozenset(droppable), guards, narrowed, firsts)
     split = unmasked is not None and _worth_a_visible_loop(unmasked, region, drops_mask_loads)
     chain_module, unmasked_module, folded_scale = _folded_chains(
-        region, _score_chain_module(region, guards=guards, narrowed=narrowed), unmasked if split else None, fills
+        region, _score_chain_module(region, guards=guards, narrowed=narrowed, affine=firsts), unmasked if split else None, fills
     )
     exact_module, exact_scale = None, 1.0
-    if guards or narrowed:
+    if guards or narrowed or firsts:
         exact_module, _, exact_scale = _folded_chains(region, _score_chain_module(region), None, fills)
     chain = ScoreChain(
         graph_module=chain_module,
@@ -303,6 +330,7 @@ def fuse(
         mask_table_module=None if mask_table is None else _chain_value_module(
             region, mask_table, [*(score_shape[:-2] or [1]), *_table_cells(score_shape, mask_table)]
         ),
+        affine_graph_module=None if affine_flag is None else _chain_value_module(region, affine_flag, list(score_shape)),
         position_graph_modules=None if cells is None else tuple(
             None if table is None else _chain_value_module(region, table, [*(score_shape[:-2] or [1]), *_val(table).shape[-2:]])
             for table in cells

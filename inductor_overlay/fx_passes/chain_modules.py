@@ -44,15 +44,24 @@ def _chain_inputs(region: AttentionRegion) -> tuple[torch.fx.Graph, dict]:
 
 def _score_chain_module(
     region: AttentionRegion, unmasked: frozenset = frozenset(), guards: Optional[dict] = None,
-    narrowed: frozenset = frozenset(),
+    narrowed: frozenset = frozenset(), affine: Optional[dict] = None,
 ) -> torch.fx.GraphModule:
     """The chain from scores to logits as its own graph: (scores, *captured) -> logits. The ``where(cond, -inf, x)``
     nodes in ``unmasked`` pass ``x`` through (for tiles where ``cond`` is false everywhere), and an additive mask's
     add there passes the scores through (for tiles where its bias is 0). The finite guards in ``guards`` pass
     their ``x`` through (``finite_speculation``). The differences of position vectors in ``narrowed``
     (``narrowed_differences``) are taken in float32 from each vector converted once, NaN where a position is too
-    large for that to be exact: the kernel's speculation check then runs the whole chain."""
+    large for that to be exact: the kernel's speculation check then runs the whole chain. Each captured position
+    tensor in ``affine`` (``affine_positions``) becomes its first value plus an ``iota``: the positions the kernel's
+    tile loop already has, in 32-bit integers, instead of a load per tile."""
     graph, env = _chain_inputs(region)
+    for leaf, first in (affine or {}).items():  # the positions as first + 0, 1, 2, ... (exact where they are)
+        value = _val(leaf)
+        iota = graph.call_function(
+            prims.iota.default, (value.shape[-1],),
+            dict(start=0, step=1, dtype=_val(first).dtype, device=value.device, requires_grad=False),
+        )
+        env[leaf] = graph.call_function(aten.add.Tensor, (env[first], iota))
     zeros: set[torch.fx.Node] = set()  # chain nodes that are 0 on these tiles: a bias ``where(cond, -inf, 0)``
     for node in region.chain:
         if guards and node in guards:  # x, in the guard's dtype
@@ -136,6 +145,97 @@ def _reads_as_float32(user: torch.fx.Node, node: torch.fx.Node) -> bool:
     others = [arg for arg in user.args[:2] if arg is not node]
     return len(others) == 1 and isinstance(others[0], torch.fx.Node) and _val(others[0]) is not None and (
         _val(others[0]).dtype is torch.float32
+    )
+
+
+def affine_positions(graph: torch.fx.Graph, region: AttentionRegion, vectors: list) -> tuple[dict, Optional[torch.fx.Node]]:
+    """The captured integer tensors ``[*lead, L]`` that the position ``vectors`` (nodes of the chain) are read from,
+    each with graph nodes for its first values ``[*lead, 1]``, and one node that says, per call, whether every one
+    of them holds consecutive values along its last dim (``first + 0, 1, 2, ...``: ``arange`` made once outside,
+    a buffer of it sliced, HF's ``position_ids``). Where that holds, the chain may compute them from the tile's own
+    positions (``_score_chain_module``'s ``affine``); where it does not, the kernel runs the exact chain."""
+    leaves = []
+    for vector in vectors:
+        pending = [vector]
+        while pending:
+            node = pending.pop()
+            if node in region.captured:
+                leaves.append(node)
+            elif node in region.chain:
+                pending += node.all_input_nodes
+    leaves = [leaf for leaf in dict.fromkeys(leaves) if _consecutive_candidate(leaf)]
+    if not leaves:
+        return {}, None
+    narrow = all(_int32_safe(region, leaf) for leaf in leaves)
+    firsts, checks = {}, []
+    for leaf in leaves:
+        value = _val(leaf)
+        length = value.shape[-1]
+        first = call_op(graph, aten.slice.Tensor, (leaf, -1, 0, 1))
+        iota = call_op(graph, prims.iota.default, (length,), dict(start=0, step=1, dtype=value.dtype, device=value.device, requires_grad=False))
+        differs = call_op(graph, aten.ne.Tensor, (leaf, call_op(graph, aten.add.Tensor, (first, iota))))
+        if narrow:  # computed in 32 bits: positions of magnitude 2^24 or more take the exact chain
+            large = call_op(graph, aten.ge.Scalar, (call_op(graph, aten.abs.default, (leaf,)), NARROW_POSITION))
+            differs = call_op(graph, aten.logical_or.default, (differs, large))
+            first = call_op(graph, prims.convert_element_type.default, (first, torch.int32))
+        as_int = call_op(graph, prims.convert_element_type.default, (differs, torch.int32))
+        checks.append(call_op(graph, aten.amax.default, (as_int, list(range(value.dim())))))
+        firsts[leaf] = first
+    worst = checks[0]
+    for check in checks[1:]:
+        worst = call_op(graph, aten.maximum.default, (worst, check))
+    return firsts, call_op(graph, aten.eq.Scalar, (worst, 0))
+
+
+# Consecutive positions below this magnitude are computed in 32-bit integers: a sum of up to MAX_INTEGER_SUMS of them
+# (or of constants as small) stays below 2^30.
+NARROW_POSITION = 2**24
+MAX_INTEGER_SUMS = 32
+_INTEGER_VIEWS = (
+    aten.unsqueeze.default, aten.view.default, aten.reshape.default, aten.squeeze.dim, aten.squeeze.default,
+    aten.permute.default, aten.expand.default, aten.slice.Tensor, aten.clone.default,
+)
+_COMPARISONS = tuple(
+    op for name in ("lt", "le", "gt", "ge", "eq", "ne") for op in (getattr(aten, name).Tensor, getattr(aten, name).Scalar)
+)
+
+
+def _int32_safe(region: AttentionRegion, leaf: torch.fx.Node) -> bool:
+    """Whether the chain uses the integer values computed from ``leaf`` only in ways 32 bits compute exactly for
+    values below NARROW_POSITION: views, at most MAX_INTEGER_SUMS sums and differences (with constants below it),
+    negation, abs, comparisons, and conversion to (or arithmetic with) a floating-point tensor."""
+    sums, pending, seen = 0, [leaf], set()
+    while pending:
+        node = pending.pop()
+        for user in node.users:
+            if user not in region.chain or user in seen:
+                continue
+            seen.add(user)
+            result = _val(user)
+            if result is None:
+                return False
+            if result.dtype is torch.bool and _is(user, _COMPARISONS):
+                continue
+            if result.is_floating_point() and _is(user, (prims.convert_element_type.default, aten.mul.Tensor, aten.add.Tensor, aten.sub.Tensor)):
+                continue
+            if result.is_floating_point() or result.dtype is torch.bool:
+                return False
+            if _is(user, (aten.add.Tensor, aten.sub.Tensor)):
+                constants = [a for a in user.args[:2] if not isinstance(a, torch.fx.Node)]
+                if user.kwargs.get("alpha", 1) != 1 or any(not isinstance(c, int) or abs(c) >= NARROW_POSITION for c in constants):
+                    return False
+                sums += 1
+            elif not _is(user, (*_INTEGER_VIEWS, aten.neg.default, aten.abs.default)):
+                return False
+            pending.append(user)
+    return sums <= MAX_INTEGER_SUMS
+
+
+def _consecutive_candidate(leaf: torch.fx.Node) -> bool:
+    value = _val(leaf)
+    return (
+        value is not None and value.dim() >= 1 and not value.dtype.is_floating_point and value.dtype is not torch.bool
+        and not value.dtype.is_complex and all(isinstance(size, int) for size in value.shape) and value.shape[-1] > 1
     )
 
 

@@ -102,6 +102,7 @@ def online_softmax_attention_template(
     shared_v: bool = False,
     stores_lse: bool = False,
     position_subgraphs: Optional[tuple[Optional[int], Optional[int]]] = None,
+    affine_subgraph: Optional[int] = None,
 ) -> TritonTemplate:
     """The kernel template (``templates/online_softmax_attention.py.jinja``) for operands with the given numbers of
     batch dims (q, kᵀ, v and, if there is a fourth, the sink), position mask (tests for entirely masked and entirely
@@ -122,6 +123,7 @@ def online_softmax_attention_template(
     if shared_v:
         assert softmax and groups > 1 and id_subgraphs is None and table_subgraph is None and "SINK" not in names
         assert position_subgraphs is None
+    assert affine_subgraph is None or (exact_subgraph is not None and groups == 1)
     source = template_files.render(
         "online_softmax_attention.py.jinja",
         names=names,
@@ -131,6 +133,7 @@ def online_softmax_attention_template(
         softmax=softmax, sink="SINK" in names, pair=pair_rank is not None, groups=groups, shared_v=shared_v,
         masked_tile=masked_tile_code, visible_tile=visible_tile_code, ids=id_subgraphs, table=table_subgraph,
         wide=wide_logits, exact_chain=exact_subgraph, stores_lse=stores_lse, positions=position_subgraphs,
+        affine=affine_subgraph,
     )
     return _template_of(source)
 
@@ -593,6 +596,10 @@ def _lower_attention(q, kt, v, captured, sink, chain, group_coefficients=None, p
             numbers.append(None if module is None else len(chains))
             chains += [] if module is None else [module]
         position_subgraphs = tuple(numbers)
+    affine_subgraph = None
+    if chain.affine_graph_module is not None:
+        affine_subgraph = len(chains)
+        chains.append(chain.affine_graph_module)
     # The chains' inputs after the scores: the tensors they read, then the sizes they compute with. A size that is
     # not a dim of the scores (the head dim in a 1/sqrt(D) scale) is specialised, as the head dims are: the chain
     # may use it as a scalar, which Inductor's template codegen would give a tile's shape.
@@ -655,7 +662,7 @@ def _lower_attention(q, kt, v, captured, sink, chain, group_coefficients=None, p
     template_key = (
         ranks, masked_tile, chain.softmax, groups, visible_tile, pair_rank,
         tuple(output_batch) if output_batch is not None else (0,), id_subgraphs, table_subgraph, chain.wide_logits,
-        exact_subgraph, shared_v, stores_lse, position_subgraphs,
+        exact_subgraph, shared_v, stores_lse, position_subgraphs, affine_subgraph,
     )
     logit_scale, sink_scale = LOG2E * chain.folded_scale, chain.sink_scale * LOG2E
     tiny_logit_scale = _power_of_two_below(logit_scale)
