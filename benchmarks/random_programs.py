@@ -34,6 +34,10 @@ NORMALISATIONS = ["softmax"] * 4 + ["sinks", "sinks_shifted", "sigmoid", "none"]
 # gathered through a captured index buffer plus a mask computed from positions (Swin's form), or the mask added on a
 # view of the scores that splits the batch dim (windows), viewed back for the softmax.
 COMBINED = ["none"] * 6 + ["bias_plus_mask", "gathered_plus_mask", "indexed_plus_region_mask", "window_view"]
+# Positions read from tensors made outside the program (a captured ``arange``, a buffer) instead of built with
+# ``arange`` inside it: consecutive from 0, consecutive from an offset, or increasing with gaps (not consecutive:
+# the kernel must read them). One vector for rows and columns where M == N, as models share one.
+READ_POSITIONS = ["none"] * 3 + ["consecutive", "offset", "gapped"]
 
 
 @dataclasses.dataclass
@@ -60,6 +64,7 @@ class Program:
     positions: str = "separate"  # one of POSITIONS
     combined: str = "none"  # one of COMBINED
     scale_v: bool = False  # V scaled by a constant before the output matmul
+    read_positions: str = "none"  # one of READ_POSITIONS
 
     @property
     def kv_heads(self) -> int:
@@ -70,7 +75,8 @@ class Program:
                 f"D{self.D} Dv{self.Dv} {str(self.dtype)[6:]} mod={self.score_mod} mask={self.mask} "
                 f"upcast={self.upcast} scale_on={self.scale_on} norm={self.normalisation} diff={int(self.diff_heads)} "
                 f"points={self.points} pair={self.pair_channels} finite_fill={int(self.finite_fill)} positions={self.positions}"
-                f"{'' if self.combined == 'none' else ' combined=' + self.combined}{' scale_v=1' if self.scale_v else ''}")
+                f"{'' if self.combined == 'none' else ' combined=' + self.combined}{' scale_v=1' if self.scale_v else ''}"
+                f"{'' if self.read_positions == 'none' else ' read_positions=' + self.read_positions}")
 
 
 def draw(seed: int, positions: str | None = None, **fixed: object) -> Program:
@@ -117,6 +123,9 @@ def draw(seed: int, positions: str | None = None, **fixed: object) -> Program:
     if program.normalisation == "softmax" and not program.diff_heads and not program.pair_channels:
         program.combined = combined
     program.scale_v = random.Random(f"scale_v:{seed}").random() < 0.2
+    program.read_positions = random.Random(f"read_positions:{seed}").choice(READ_POSITIONS)
+    if program.combined == "gathered_plus_mask" and program.read_positions == "gapped":
+        program.read_positions = "offset"  # it gathers a table at n - m, whose range gaps would leave
     for name, value in fixed.items():
         assert hasattr(program, name), name
         setattr(program, name, value)
@@ -155,7 +164,19 @@ def make_inputs(p: Program) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]
     extras["window_mask"] = torch.where(torch.rand(p.B, 1, p.M, p.N, generator=combined) > 0.25, 0.0, -100.0).to(p.dtype)
     extras["table"] = torch.randn(p.M + p.N - 1, p.H, generator=combined).to(p.dtype)
     extras["relative_index"] = torch.arange(p.N)[None, :] - torch.arange(p.M)[:, None] + p.M - 1  # a buffer, [M, N]
+    extras["row_positions"], extras["col_positions"] = _read_positions(p)
     return [q, k, v], extras
+
+
+def _read_positions(p: Program) -> tuple[torch.Tensor, torch.Tensor]:
+    """``p.read_positions``: the row and column positions as int64 tensors made outside the program."""
+    generator = torch.Generator().manual_seed(p.seed + 2_000_003)
+    if p.read_positions == "gapped":
+        rows = torch.cumsum(torch.randint(1, 3, (p.M,), generator=generator), 0)
+        cols = rows if p.M == p.N else torch.cumsum(torch.randint(1, 3, (p.N,), generator=generator), 0)
+        return rows, cols
+    offset = 5 if p.read_positions == "offset" else 0
+    return torch.arange(p.M) + offset, torch.arange(p.N) + offset
 
 
 def _positions(p: Program, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -196,7 +217,7 @@ def build(p: Program) -> Callable:
     kv_heads = p.kv_heads
 
     def program(q, k, v, bias, keep, additive, lengths, doc, sinks, lam, q_points, k_points, pair, head_bias,
-                window_mask, table, relative_index):
+                window_mask, table, relative_index, row_positions, col_positions):
         if p.layout == "bshd":
             q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         if kv_heads != p.H:
@@ -218,6 +239,8 @@ def build(p: Program) -> Callable:
         if p.upcast:
             s = s.float()
         rows, cols = _positions(p, q.device)
+        if p.read_positions != "none":
+            rows, cols = row_positions[:, None], (row_positions if p.M == p.N else col_positions)[None, :]
         if p.score_mod == "scale_scores":
             s = s * 1.7
         elif p.score_mod == "softcap":

@@ -89,13 +89,6 @@ fold_logit_scale: bool = os.environ.get("FLASHLIGHT_FOLD_LOGIT_SCALE", "1") != "
 # whose softmax state shows a NaN or an infinity runs again with them (fx_passes/finite_speculation.py).
 speculate_finite_scores: bool = os.environ.get("FLASHLIGHT_SPECULATE_FINITE_SCORES", "1") != "0"
 
-# A difference of two captured integer position vectors that the chain reads as float32 (ALiBi's
-# ``slopes * (pos[n] - pos[m])``) is computed from each vector converted to float32 once, instead of in 64-bit
-# integers per logit; a row tile with a position of magnitude 2^23 or more runs again with the exact chain. Off: on
-# the H100 (bf16, ALiBi over captured positions) it ran 2.62 vs 2.96 ms at 4×32×4096×64 but 6.03 vs 5.31 ms at
-# 1×16×16384×128, where the kernel's exact redo loop costs more than the 64-bit arithmetic it saves.
-narrow_positions: bool = os.environ.get("FLASHLIGHT_NARROW_POSITIONS", "0") == "1"
-
 # Captured integer positions that a mask orders or that ALiBi subtracts (``arange`` made once outside the compiled
 # function, a registered buffer of it, HF's ``position_ids``) are checked once per call for consecutive values; where
 # they are, the kernel computes them from its own tile positions (no load per tile, 32-bit arithmetic), and where they

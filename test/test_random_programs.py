@@ -12,13 +12,13 @@ import pytest
 from benchmarks import random_programs
 
 # seed -> (the fields it was drawn with when it failed, beyond those its seed draws now; what it found)
-BEFORE_COMBINED = {"combined": "none", "scale_v": False}
+BEFORE_COMBINED = {"combined": "none", "scale_v": False, "read_positions": "none"}
 REGRESSIONS = {
     34: ({"positions": "separate", **BEFORE_COMBINED},
          "size-1 batch dims made a constant position that Inductor shaped like the template's x range (fault)"),
     100075: ({"positions": "one_arange", **BEFORE_COMBINED},
              "a window built from one arange read as |n - n|: its mask dropped from every tile (the code before ad41820)"),
-    100007: ({"scale_v": True}, "a constant factor on V was taken off V and applied nowhere (output off by that factor)"),
+    100007: ({"scale_v": True, "read_positions": "none"}, "a constant factor on V was taken off V and applied nowhere (output off by that factor)"),
 }
 # Captured tensors that meet before the scores (``random_programs.COMBINED``): one seed of each form, pinned, each of
 # which must fuse. The window view (Swin's mask on a view of the scores that splits the batch dim) was declined until

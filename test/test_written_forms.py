@@ -54,8 +54,8 @@ def test_captured_positions_bound_tiles_from_their_cells(form):
     poisoned[..., 64:, :] = float("nan")  # keys rows 0..63 never see; a visit spreads NaN through P·V even at P = 0
     out, code = _compile(variant.idioms[form], q, k, poisoned, **extras)
     kernel = _kernel(code)
-    FileCheck().check("row_pos_lo = tl.min(row_cell_lo)").check("for scan_n in range(").check(
-        "col_pos_lo = tl.min(col_cell_lo, 1)"
+    FileCheck().check("row_pos_lo = tl.min(tl.broadcast_to(row_cell_lo").check("for scan_n in range(").check(
+        "col_pos_lo = tl.min(tl.broadcast_to(col_cell_lo, [SCAN_TILES, CELLS_N]), 1)"
     ).check("masked = (").check("row_pos_hi").check("visible = ~masked &").check("if positions_affine:").check(
         "speculation_failed"
     ).run(kernel)
@@ -81,20 +81,63 @@ def test_a_changed_buffer_changes_the_result():
             testing.assert_close_to_reference(out, fn(q.double(), k.double(), v.double()))
 
 
-def test_alibi_over_captured_positions_converts_each_vector_once():
-    """``slopes * (pos[n] - pos[m])`` over captured int64 positions (``narrow_positions``): the fast chain converts each position vector to
-    float32 (one subtraction per logit instead of a 64-bit one and a conversion); a position of magnitude 2^23 or
-    more makes the fast chain NaN, and the row tile runs again with the exact chain."""
+def test_alibi_over_consecutive_captured_positions_computes_them_from_the_tile():
+    """``slopes * (pos[n] - pos[m])`` over captured int64 positions: consecutive ones (checked once per call) are
+    computed from the tile's own positions in 32 bits; consecutive from 2^30 (too large for 32 bits) and shuffled
+    ones run the chain that reads them. Every case matches float64 eager."""
     variant = FORMS["forms_alibi"]
     q, k, v, extras = variants.make_inputs(variant, variants.Shape(B=1, H=2, M=64, N=64, D=16))
     fn = variant.idioms["captured_positions"]
     position = MADE_ONCE["forms_alibi"]["position"]
-    for offset in (0, 2**30):  # exact in float32, then too large for it
-        position.copy_(torch.arange(64) + offset)
-        with config.patch(narrow_positions=True):
-            out, code = _compile(fn, q, k, v, **extras)
-        FileCheck().check("speculation_failed").run(_kernel(code))
+    for values in (torch.arange(64), torch.arange(64) + 2**30, torch.randperm(64)):
+        position.copy_(values)
+        out, code = _compile(fn, q, k, v, **extras)
+        FileCheck().check("if positions_affine:").check("speculation_failed").run(_kernel(code))
         testing.assert_close_to_reference(out, fn(q.double(), k.double(), v.double()))
+
+
+def test_a_limit_of_another_origin_keeps_64_bit_positions():
+    """A window whose limit is a 0-d int64 tensor above 2^32 (or a huge Python number) must meet the positions in
+    64 bits, as in eager: the consecutive positions are not narrowed to 32 bits there."""
+    position = torch.arange(64)
+    limit = torch.tensor([2**32 + 10])
+
+    def fn(q, k, v, limit):
+        s = q @ k.transpose(-1, -2) * 0.25
+        window = limit.sum()  # a 0-d int64 tensor computed in the graph
+        s = s.masked_fill((position[None, :] > position[:, None]) | ((position[:, None] - position[None, :]) >= window), float("-inf"))
+        return s.softmax(-1) @ v
+
+    def huge(q, k, v, limit):
+        s = q @ k.transpose(-1, -2) * 0.25
+        s = s.masked_fill((position[None, :] > position[:, None]) | ((position[:, None] - position[None, :]) >= 2**62), float("-inf"))
+        return s.softmax(-1) @ v
+
+    q, k, v = (torch.randn(1, 2, 64, 16) for _ in range(3))
+    for program in (fn, huge):
+        out, _ = _compile(program, q, k, v, limit)
+        testing.assert_close_to_reference(out, program(q.double(), k.double(), v.double(), limit))
+
+
+def test_a_mask_built_with_cat_still_fuses():
+    """A mask condition with a list argument (``cat`` of two masks) is not a formula; the attention still fuses with
+    its mask read per element, and nothing falls back."""
+    from torch._dynamo.utils import counters
+
+    keep = torch.ones(64, 64, dtype=torch.bool).triu(1)
+
+    def fn(q, k, v):
+        mask = torch.cat([torch.zeros(64, 8, dtype=torch.bool), keep], -1)
+        s = (q @ k.transpose(-1, -2) * 0.25).masked_fill(mask, float("-inf"))
+        return s.softmax(-1) @ v
+
+    q = torch.randn(1, 2, 64, 16)
+    k, v = (torch.randn(1, 2, 72, 16) for _ in range(2))
+    counters.clear()
+    out, _ = _compile(fn, q, k, v)
+    assert counters["inductor"]["flashlight_fault_fallback"] == 0
+    assert counters["inductor"]["flashlight_attention_fused"] == 1
+    testing.assert_close_to_reference(out, fn(q.double(), k.double(), v.double()))
 
 
 def test_floor_of_a_difference_rounds_down_for_negative_values():

@@ -59,7 +59,7 @@ from inductor_overlay.fx_passes.chain_modules import (
     _reroute_size_reads,
     _score_chain_module,
     affine_positions,
-    narrowed_differences,
+    position_differences,
 )
 from inductor_overlay.fx_passes.mask_tables import _mask_table, _shared_table, _table_cells, position_cells
 
@@ -126,17 +126,17 @@ def _position_vectors(region: AttentionRegion, reads: Optional[PositionReads], f
         sympy.Eq, sympy.Ne
     ):
         vectors += [node for node in (reads.rows, reads.columns) if node is not None]
-    for difference in narrowed_differences(region):
+    for difference in position_differences(region):
         vectors += [arg for arg in difference.args[:2] if isinstance(arg, torch.fx.Node)]
     return vectors
 
 
-def _position_cell_tables(graph: torch.fx.Graph, region: AttentionRegion, reads: PositionReads) -> tuple:
+def _position_cell_tables(graph: torch.fx.Graph, region: AttentionRegion, reads: PositionReads, user: torch.fx.Node) -> tuple:
     """The bounds per cell (``mask_tables.position_cells``) of the vectors the formulas read at the rows and at the
     columns (None for an axis they do not read), once per call: attentions that read the same vector share them."""
     return tuple(
         None if vector is None else _shared_table(
-            graph, ("positions", vector, rows), lambda v=vector, r=rows: position_cells(graph, v, r), region.pv
+            graph, ("positions", vector, rows), lambda v=vector, r=rows: position_cells(graph, v, r), user
         )
         for vector, rows in ((reads.rows, True), (reads.columns, False))
     )
@@ -254,6 +254,10 @@ def fuse(
     node also returns the rows' log-sum-exp: the result is a :class:`TrainingForward`."""
     graph = region.pv.graph
     score_shape = _val(region.score_root).shape
+    # The fused node stands where the first of its outputs was computed; what it reads is built before that.
+    anchor = region.pv
+    if region.pair is not None:
+        anchor = next(n for n in graph.nodes if n is region.pv or n is region.pair.result)
     formula, mask_nodes, skippable, fills = None, [], None, frozenset()
     reads = _position_reads(region) if region.softmax and config.block_skipping else None
     if region.softmax:
@@ -273,10 +277,10 @@ def fuse(
     if tensor_mask is not None or additive_mask is not None:
         mask = tensor_mask or additive_mask
         key = ("tensor", tensor_mask.term, tensor_mask.negated) if tensor_mask else ("additive", additive_mask.bias)
-        mask_table = _shared_table(graph, key, lambda: _mask_table(graph, region, mask), region.pv)
+        mask_table = _shared_table(graph, key, lambda: _mask_table(graph, region, mask), anchor)
     if mask_table is not None:
         region = dataclasses.replace(region, captured=[*region.captured, mask_table])
-    cells = _position_cell_tables(graph, region, reads) if reads_vectors(skippable) else None
+    cells = _position_cell_tables(graph, region, reads, anchor) if reads_vectors(skippable) else None
     if cells is not None:
         region = dataclasses.replace(region, captured=[*region.captured, *[c for c in cells if c is not None]])
     drops_mask_loads = (tensor_mask is not None and tensor_mask.alone) or additive_mask is not None
@@ -285,24 +289,23 @@ def fuse(
     # Differences of captured positions taken in float32 speculate like the finite guards (not in training: the
     # backward recomputes the chain exactly).
     speculates = not training and region.softmax and region.sink is None and region.pair is None and group_coefficients is None
-    narrowed = narrowed_differences(region) if config.narrow_positions and speculates else frozenset()
     firsts, affine_flag = {}, None
     if config.affine_positions and speculates:
-        with graph.inserting_before(region.pv):
+        with graph.inserting_before(anchor):
             firsts, affine_flag = affine_positions(graph, region, _position_vectors(region, reads, skippable))
     if affine_flag is not None:
         region = dataclasses.replace(region, captured=[*region.captured, *firsts.values(), affine_flag])
-    if (narrowed or firsts) and not guards:
+    if firsts and not guards:
         row_max_bound = MAX_BOUND  # only a NaN or an empty row fails the check
     unmasked = None
     if droppable and config.split_visible_tiles:
-        unmasked = _score_chain_module(region, frozenset(droppable), guards, narrowed, firsts)
+        unmasked = _score_chain_module(region, frozenset(droppable), guards, firsts)
     split = unmasked is not None and _worth_a_visible_loop(unmasked, region, drops_mask_loads)
     chain_module, unmasked_module, folded_scale = _folded_chains(
-        region, _score_chain_module(region, guards=guards, narrowed=narrowed, affine=firsts), unmasked if split else None, fills
+        region, _score_chain_module(region, guards=guards, affine=firsts), unmasked if split else None, fills
     )
     exact_module, exact_scale = None, 1.0
-    if guards or narrowed or firsts:
+    if guards or firsts:
         exact_module, _, exact_scale = _folded_chains(region, _score_chain_module(region), None, fills)
     chain = ScoreChain(
         graph_module=chain_module,
@@ -340,10 +343,7 @@ def fuse(
         ),
     )
     log.info("attention at %s: %s", region.pv.name, describe_tiles(chain))
-    # The fused node stands where the first of its outputs was computed.
-    anchor = region.pv
     if region.pair is not None:
-        anchor = next(n for n in graph.nodes if n is region.pv or n is region.pair.result)
         _hoist_before(region.pair.values, anchor)
     groups = 1 if group_coefficients is None else _val(group_coefficients).numel()
     output_batch = _output_batch(tuple(score_shape[:-2]) or (1,), groups, _val(region.pv).shape[-1])

@@ -97,10 +97,12 @@ def _value(
         return sympy.true if node else sympy.false
     if isinstance(node, (int, float)):
         return sympy.sympify(node)
+    if not isinstance(node, torch.fx.Node):
+        raise Unknown(node)
     if dims is None:
         rank = len(_shape(node))
         dims = (max(-1, rank - 2), rank - 1)
-    if not isinstance(node, torch.fx.Node) or node.op != "call_function":
+    if node.op != "call_function":
         return _read_vector(node, dims, reads, aligned)
     target, args = node.target, node.args
     if target is prims.iota.default:
@@ -122,10 +124,13 @@ def _value(
         if None in arg_dims:
             raise Unknown(node)
         arg_aligned = aligned and _is_elementwise(node)
+        # Below a conversion that may round or wrap (to a float, to a narrower integer), values read from memory are
+        # not what the formula would bound: no reads there.
+        arg_reads = None if _lossy_conversion(node, arg) else reads
         try:
-            return _value(arg, arg_dims, reads, arg_aligned)
+            return _value(arg, arg_dims, arg_reads, arg_aligned)
         except Unknown:
-            return _read_vector(arg, arg_dims, reads, arg_aligned)
+            return _read_vector(arg, arg_dims, arg_reads, arg_aligned)
 
     if target in _DIM_VIEWS or target in _COPIES:
         return operand(args[0])  # the same values, its dims mapped by ``_input_dim``
@@ -177,6 +182,16 @@ class PositionReads:
 
     def formulas_free_of_reads(self) -> bool:
         return self.rows is None and self.columns is None
+
+
+def _lossy_conversion(node: torch.fx.Node, arg: torch.fx.Node) -> bool:
+    """Whether ``node`` converts ``arg`` to a floating dtype, or to an integer dtype narrower than its own."""
+    if node.target is not prims.convert_element_type.default or "val" not in arg.meta:
+        return False
+    source, target = arg.meta["val"].dtype, node.args[1]
+    if target.is_floating_point:
+        return not source.is_floating_point
+    return target.itemsize < source.itemsize
 
 
 def _same_value(a: object, b: object) -> bool:

@@ -44,14 +44,12 @@ def _chain_inputs(region: AttentionRegion) -> tuple[torch.fx.Graph, dict]:
 
 def _score_chain_module(
     region: AttentionRegion, unmasked: frozenset = frozenset(), guards: Optional[dict] = None,
-    narrowed: frozenset = frozenset(), affine: Optional[dict] = None,
+    affine: Optional[dict] = None,
 ) -> torch.fx.GraphModule:
     """The chain from scores to logits as its own graph: (scores, *captured) -> logits. The ``where(cond, -inf, x)``
     nodes in ``unmasked`` pass ``x`` through (for tiles where ``cond`` is false everywhere), and an additive mask's
     add there passes the scores through (for tiles where its bias is 0). The finite guards in ``guards`` pass
-    their ``x`` through (``finite_speculation``). The differences of position vectors in ``narrowed``
-    (``narrowed_differences``) are taken in float32 from each vector converted once, NaN where a position is too
-    large for that to be exact: the kernel's speculation check then runs the whole chain. Each captured position
+    their ``x`` through (``finite_speculation``). Each captured position
     tensor in ``affine`` (``affine_positions``) becomes its first value plus an ``iota``: the positions the kernel's
     tile loop already has, in 32-bit integers, instead of a load per tile."""
     graph, env = _chain_inputs(region)
@@ -66,10 +64,6 @@ def _score_chain_module(
     for node in region.chain:
         if guards and node in guards:  # x, in the guard's dtype
             env[node] = _in_dtype_of(graph, env[guards[node]], guards[node], node)
-            continue
-        if node in narrowed:
-            left, right = (_exact_float(graph, env[arg]) for arg in node.args[:2])
-            env[node] = graph.call_function(node.target, (left, right))
             continue
         if node in unmasked and node.target is aten.add.Tensor:  # an additive mask: its bias is 0 on these tiles
             addend = next(arg for arg in node.args if depends_on(arg, region.score_root, {}))
@@ -98,23 +92,10 @@ def _score_chain_module(
     return torch.fx.GraphModule(torch.nn.Module(), graph)
 
 
-# Integers of magnitude below this convert to float32 exactly, and so do the sums and differences of two of them.
-EXACT_FLOAT_POSITION = 2**23
-
-
-def _exact_float(graph: torch.fx.Graph, position: torch.fx.Node) -> torch.fx.Node:
-    """An integer position as float32, NaN where its magnitude reaches ``EXACT_FLOAT_POSITION``."""
-    as_float = graph.call_function(prims.convert_element_type.default, (position, torch.float32))
-    fits = graph.call_function(aten.lt.Scalar, (graph.call_function(aten.abs.default, (position,)), EXACT_FLOAT_POSITION))
-    nan = graph.call_function(aten.mul.Tensor, (as_float, float("nan")))
-    return graph.call_function(aten.where.self, (fits, as_float, nan))
-
-
-def narrowed_differences(region: AttentionRegion) -> frozenset:
+def position_differences(region: AttentionRegion) -> frozenset:
     """The chain's sums and differences ``a ± b`` of two integer vectors read from memory at the rows or the columns
     (captured positions: ALiBi's ``pos[None, :] - pos[:, None]``) whose every use reads them as float32 (a product
-    or sum with a float32 tensor, or a conversion to float32). In 64-bit integers each logit pays a subtraction and a
-    conversion; converted once per vector they cost one float subtraction, and equal where |a|, |b| < 2^23."""
+    or sum with a float32 tensor, or a conversion to float32)."""
     found = []
     for node in region.chain:
         value = _val(node)
@@ -166,7 +147,7 @@ def affine_positions(graph: torch.fx.Graph, region: AttentionRegion, vectors: li
     leaves = [leaf for leaf in dict.fromkeys(leaves) if _consecutive_candidate(leaf)]
     if not leaves:
         return {}, None
-    narrow = all(_int32_safe(region, leaf) for leaf in leaves)
+    narrow = _int32_safe(region, leaves)
     firsts, checks = {}, []
     for leaf in leaves:
         value = _val(leaf)
@@ -187,10 +168,11 @@ def affine_positions(graph: torch.fx.Graph, region: AttentionRegion, vectors: li
     return firsts, call_op(graph, aten.eq.Scalar, (worst, 0))
 
 
-# Consecutive positions below this magnitude are computed in 32-bit integers: a sum of up to MAX_INTEGER_SUMS of them
-# (or of constants as small) stays below 2^30.
+# Consecutive positions below this magnitude are computed in 32-bit integers. Each sum or difference at most doubles
+# the largest magnitude (its operands, positions or constants, lie below it too): after MAX_INTEGER_SUMS of them the
+# values stay below 2^30.
 NARROW_POSITION = 2**24
-MAX_INTEGER_SUMS = 32
+MAX_INTEGER_SUMS = 6
 _INTEGER_VIEWS = (
     aten.unsqueeze.default, aten.view.default, aten.reshape.default, aten.squeeze.dim, aten.squeeze.default,
     aten.permute.default, aten.expand.default, aten.slice.Tensor, aten.clone.default,
@@ -200,33 +182,40 @@ _COMPARISONS = tuple(
 )
 
 
-def _int32_safe(region: AttentionRegion, leaf: torch.fx.Node) -> bool:
-    """Whether the chain uses the integer values computed from ``leaf`` only in ways 32 bits compute exactly for
-    values below NARROW_POSITION: views, at most MAX_INTEGER_SUMS sums and differences (with constants below it),
-    negation, abs, comparisons, and conversion to (or arithmetic with) a floating-point tensor."""
-    sums, pending, seen = 0, [leaf], set()
+def _int32_safe(region: AttentionRegion, leaves: list) -> bool:
+    """Whether the chain uses the integer values computed from ``leaves`` only in ways 32 bits compute exactly for
+    values below NARROW_POSITION: views, at most MAX_INTEGER_SUMS sums and differences, negation, abs and comparisons
+    whose other operands are values computed from ``leaves`` or numbers below NARROW_POSITION, and conversion to (or
+    arithmetic with) a floating-point tensor. An integer tensor of another origin (a 0-d limit, another vector) would
+    meet the narrowed values in 32 bits where eager meets them in 64: refused."""
+    sums, pending, derived = 0, list(leaves), set(leaves)
     while pending:
         node = pending.pop()
         for user in node.users:
-            if user not in region.chain or user in seen:
+            if user not in region.chain or user in derived:
                 continue
-            seen.add(user)
             result = _val(user)
             if result is None:
                 return False
+            if result.is_floating_point() and _is(user, (prims.convert_element_type.default, aten.mul.Tensor, aten.add.Tensor, aten.sub.Tensor)):
+                if _is(user, prims.convert_element_type.default) or all(
+                    arg in derived or (isinstance(arg, torch.fx.Node) and _val(arg) is not None and _val(arg).is_floating_point())
+                    for arg in user.args[:2]
+                ):
+                    continue
+                return False
+            others = [arg for arg in user.args[:2] if arg not in derived] if not _is(user, _INTEGER_VIEWS) else []
+            if any(isinstance(arg, torch.fx.Node) or not isinstance(arg, int) or abs(arg) >= NARROW_POSITION for arg in others):
+                return False
             if result.dtype is torch.bool and _is(user, _COMPARISONS):
                 continue
-            if result.is_floating_point() and _is(user, (prims.convert_element_type.default, aten.mul.Tensor, aten.add.Tensor, aten.sub.Tensor)):
-                continue
-            if result.is_floating_point() or result.dtype is torch.bool:
+            if result.is_floating_point() or result.dtype is torch.bool or user.kwargs.get("alpha", 1) != 1:
                 return False
             if _is(user, (aten.add.Tensor, aten.sub.Tensor)):
-                constants = [a for a in user.args[:2] if not isinstance(a, torch.fx.Node)]
-                if user.kwargs.get("alpha", 1) != 1 or any(not isinstance(c, int) or abs(c) >= NARROW_POSITION for c in constants):
-                    return False
                 sums += 1
             elif not _is(user, (*_INTEGER_VIEWS, aten.neg.default, aten.abs.default)):
                 return False
+            derived.add(user)
             pending.append(user)
     return sums <= MAX_INTEGER_SUMS
 
