@@ -180,9 +180,6 @@ class PositionReads:
         setattr(self, axis, current or node)
         return ROW_READ if axis == "rows" else COL_READ
 
-    def formulas_free_of_reads(self) -> bool:
-        return self.rows is None and self.columns is None
-
 
 def _lossy_conversion(node: torch.fx.Node, arg: torch.fx.Node) -> bool:
     """Whether ``node`` converts ``arg`` to a floating dtype, or to an integer dtype narrower than its own."""
