@@ -366,20 +366,65 @@ def online_softmax_attention_with_lse(q, kt, v, captured, score_chain, decisions
     return out, _row_statistics(chain, q, kt, captured, sizes)
 
 
-def online_softmax_attention_backward(q, kt, v, captured, score_chain, decisions, chain_vjp, lse, delta, dense, grad_out, sizes=()):
+def online_softmax_attention_backward(
+    q, kt, v, captured, score_chain, decisions, chain_vjp, lse, delta, dense, grad_out, sizes=(), read_vjps=(), gradient_reads=(),
+):
     """The fused backward: the gradients of ``online_softmax_attention`` at ``grad_out`` ``[Z, M, Dv]`` with respect
     to the operands as the scores and output matmuls read them: ``dq [Z, M, D]``, ``dkt [Z, D, N]``, ``dv [Z, N, Dv]``.
     ``chain_vjp`` is the derivative of the chain, ``(scores, *captured, *sizes, grad_logits) -> grad_scores``;
     ``lse`` the forward's row statistics, ``delta`` the rows' ``Σ_Dv grad_out · out`` (float32), ``dense`` per batch entry whether a
     row is entirely masked (its backward visits every tile, as eager's gives NaN or 0 there). The kernel reads
-    those; run eagerly, the gradients come from autograd through the op's meaning, which needs none of them."""
+    those; run eagerly, the gradients come from autograd through the op's meaning, which needs none of them.
+    ``read_vjps`` and ``gradient_reads`` (plain data): for each captured tensor whose gradient is wanted, the
+    derivative of its read broadcast to the score shape and how the kernel sums it; one float32 partial each follows
+    the three gradients (``fx_passes/captured_gradients.py``)."""
     z = math.prod(decisions["batch_shape"])
     m, d, n, dv = q.shape[-2], q.shape[-1], kt.shape[-1], v.shape[-1]
     operands = [t.detach().reshape(shape).requires_grad_() for t, shape in ((q, (z, m, d)), (kt, (z, d, n)), (v, (z, n, dv)))]
     with torch.enable_grad():
         out = online_softmax_attention(*operands, captured, None, score_chain, decisions, None, None, sizes)
         grads = torch.autograd.grad(out, operands, grad_out.reshape(z, m, dv), allow_unused=True)
-    return tuple(torch.zeros_like(t) if g is None else g for t, g in zip(operands, grads))
+    grads = tuple(torch.zeros_like(t) if g is None else g for t, g in zip(operands, grads))
+    if not gradient_reads:
+        return grads
+    chain = chain_from_arguments(score_chain, decisions)
+    scores, grad_logits = _chain_output_gradient(chain, *operands, captured, sizes, grad_out)
+    partials = [
+        _partial(_module(vjp)(scores, *captured, *sizes, grad_logits), read, chain.batch_shape)
+        for vjp, read in zip(read_vjps, gradient_reads)
+    ]
+    return (*grads, *partials)
+
+
+def _chain_output_gradient(chain: ScoreChain, q, kt, v, captured, sizes, grad_out) -> tuple:
+    """The scores and the gradient of the output at ``grad_out`` with respect to the chain's output."""
+    scores = _scores(chain, q.detach(), kt.detach())
+    with torch.enable_grad():
+        chained = chain.graph_module(scores, *captured, *sizes).detach().requires_grad_()
+        logits = chained * chain.folded_scale if chain.folded_scale != 1.0 else chained
+        probabilities = torch.softmax(logits, dim=-1).to(chain.probability_dtype)
+        out = _times_values(chain, probabilities, v.detach())
+        (grad,) = torch.autograd.grad(out, chained, grad_out.reshape(out.shape))
+    return scores, grad
+
+
+def partial_shape(read: dict, batch_shape, m, n) -> list:
+    """The float32 partial the backward kernel writes for a captured tensor's read (``captured_gradients``): per
+    logit over the batch dims the read varies along (``full``), or summed per row (``rows``) or per column
+    (``columns``) of each batch entry."""
+    if read["kind"] == "full":
+        return [math.prod(size for size, kept in zip(batch_shape, read["kept_batch"]) if kept), m, n]
+    return [math.prod(batch_shape), m if read["kind"] == "rows" else n]
+
+
+def _partial(grad_read: torch.Tensor, read: dict, batch_shape) -> torch.Tensor:
+    """The kernel's partial of a read's gradient (``partial_shape``) from its value per logit."""
+    z, (m, n) = math.prod(batch_shape), grad_read.shape[-2:]
+    grad_read = grad_read.float()
+    if read["kind"] == "full":
+        shared = [i for i, kept in enumerate(read["kept_batch"]) if not kept]
+        return (grad_read.sum(shared) if shared else grad_read).reshape(-1, m, n)
+    return grad_read.sum(-1).reshape(z, m) if read["kind"] == "rows" else grad_read.sum(-2).reshape(z, n)
 
 
 def online_softmax_attention_with_lse_fake(q, kt, v, captured, score_chain, decisions, output_batch=None, sizes=()):
@@ -387,10 +432,13 @@ def online_softmax_attention_with_lse_fake(q, kt, v, captured, score_chain, deci
     return out, q.new_empty(row_statistics_shape(decisions, q.shape[-2]), dtype=torch.float32)
 
 
-def online_softmax_attention_backward_fake(q, kt, v, captured, score_chain, decisions, chain_vjp, lse, delta, dense, grad_out, sizes=()):
+def online_softmax_attention_backward_fake(
+    q, kt, v, captured, score_chain, decisions, chain_vjp, lse, delta, dense, grad_out, sizes=(), read_vjps=(), gradient_reads=(),
+):
     z = math.prod(decisions["batch_shape"])
     m, d, n, dv = q.shape[-2], q.shape[-1], kt.shape[-1], v.shape[-1]
-    return q.new_empty(z, m, d), kt.new_empty(z, d, n), v.new_empty(z, n, dv)
+    partials = [q.new_empty(partial_shape(read, decisions["batch_shape"], m, n), dtype=torch.float32) for read in gradient_reads]
+    return (q.new_empty(z, m, d), kt.new_empty(z, d, n), v.new_empty(z, n, dv), *partials)
 
 
 FAKE_IMPLS[online_softmax_attention_with_lse] = online_softmax_attention_with_lse_fake

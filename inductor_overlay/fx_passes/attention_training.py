@@ -11,16 +11,16 @@ own:
 2. the region's values are used only by the region and R_bwd (nothing else needs the probabilities);
 3. R_bwd reads exactly one gradient, shaped as the region's output: the gradient of its output;
 4. every value R_bwd hands to the rest of the graph is the gradient of one of the operands of the two matmuls
-   (q, kᵀ, v): it is read only by the backward of that operand's producer (the producer's seq_nr), or it is the
-   graph's output for an input's gradient. So the chain's other inputs (bias, masks, positions) need no gradient.
+   (q, kᵀ, v) or of a floating tensor the chain reads: it is read only by the backward of that tensor's producer
+   (the producer's seq_nr), or it is the graph's output for an input's gradient.
 
 The region then becomes ``online_softmax_attention_with_lse`` (the forward, which also saves the rows'
 log-sum-exp) and R_bwd ``online_softmax_attention_backward``; the chain's derivative is the joint graph of the
-chain itself (``chain_vjp_module``), traced by autograd as the user's program was. Attention that the SDPA route
-takes in inference (plain causal, on CUDA) takes SDPA's forward and backward kernels instead (``sdpa_training``).
-A region outside the rule
-(a bias that needs its gradient, a sink, a pair reduction, logits near -FLT_MAX, a dynamic shape) is left to
-upstream, with the reason in the log (``TORCH_LOGS=flashlight``).
+chain itself (``chain_vjp_module``), traced by autograd as the user's program was; the gradient of a tensor the
+chain reads (a learned bias, slopes) comes from the same kernel by the rule of ``captured_gradients``. Attention
+that the SDPA route takes in inference (plain causal, on CUDA) takes SDPA's forward and backward kernels instead
+(``sdpa_training``). A region outside the rule (a sink, a pair reduction, a bias read through a gather, a dynamic
+shape) is left to upstream, with the reason in the log (``TORCH_LOGS=flashlight``).
 """
 
 from __future__ import annotations
@@ -38,6 +38,8 @@ from inductor_overlay import config, ops
 from inductor_overlay.fx_passes.attention_fusion import TrainingForward, fuse
 from inductor_overlay.fx_passes.attention_region import AttentionRegion, Decline, _looks_like_softmax_input, find_attention
 from inductor_overlay.fx_passes.block_sparsity import is_op as _is
+from inductor_overlay.fx_passes.captured_gradients import gradient_of_read, gradient_read, read_vjp_module
+from inductor_overlay.fx_passes.chain_modules import _score_chain_module
 from inductor_overlay.fx_passes.fx_helpers import _MATMULS, _operand_scale, _val, aten, call_op, prims, subgraph
 from inductor_overlay.fx_passes.sdpa_route import sdpa_call
 from inductor_overlay.fx_passes.sdpa_training import replace_pair_by_sdpa
@@ -64,11 +66,17 @@ def trains(graph: torch.fx.Graph) -> bool:
 class RegionBackward:
     nodes: set  # R_bwd
     grad_out: torch.fx.Node  # the gradient of the region's output
-    grads: dict  # R_bwd's output node -> index of the operand (0 q, 1 kt, 2 v) it is the gradient of
+    grads: dict  # R_bwd's output node -> index of the operand (0 q, 1 kt, 2 v, 3 + j captured tensor j) it is the gradient of
 
 
 def _operands(region: AttentionRegion) -> list[torch.fx.Node]:
     return [region.qk.args[0], region.qk.args[1], region.pv.args[1]]
+
+
+def _differentiable(region: AttentionRegion) -> list[Optional[torch.fx.Node]]:
+    """The operands, then each captured tensor (None for one that is not floating): what a gradient may be of."""
+    floating = [c if _val(c) is not None and _val(c).is_floating_point() else None for c in region.captured]
+    return [*_operands(region), *floating]
 
 
 def _gradient_slot(operand: torch.fx.Node, output: torch.fx.Node) -> Optional[int]:
@@ -80,19 +88,22 @@ def _gradient_slot(operand: torch.fx.Node, output: torch.fx.Node) -> Optional[in
     return len(output.args[0]) - len(primals) + primals.index(operand)
 
 
-def _operand_of(value: torch.fx.Node, operands: list[torch.fx.Node]) -> Union[int, Decline]:
-    """Rule 4: which operand ``value`` (a node R_bwd hands out) is the gradient of."""
-    users = list(value.users)
+def _operand_of(value: torch.fx.Node, operands: list[Optional[torch.fx.Node]], backward: set) -> Union[int, Decline]:
+    """Rule 4: which of ``operands`` (``_differentiable``) ``value`` (a node R_bwd hands out) is the gradient of."""
+    users = [user for user in value.users if user not in backward]
+    found = []
     for index, operand in enumerate(operands):
-        if tuple(_val(value).shape) != tuple(_val(operand).shape):
+        if operand is None or tuple(_val(value).shape) != tuple(_val(operand).shape):
             continue
         if operand.op == "placeholder":
             slot = _gradient_slot(operand, users[0]) if users[0].op == "output" else None
             if len(users) == 1 and slot is not None and users[0].args[0][slot] is value:
-                return index
+                found.append(index)
         elif _seq(operand) is not None and all(_backward(u) and _seq(u) == _seq(operand) for u in users):
-            return index
-    return Decline(f"`{value.name}` leaves the attention's backward but is not an operand's gradient (rule 4)")
+            found.append(index)
+    if len(found) == 1:
+        return found[0]
+    return Decline(f"`{value.name}` leaves the attention's backward but is not the gradient of one input of it (rule 4)")
 
 
 def _convex(nodes: set) -> set:
@@ -119,8 +130,10 @@ def match_backward(region: AttentionRegion) -> Union[Decline, RegionBackward]:
     forward = region.internal | {region.pv}
     # (Nodes upstream's joint-graph patterns put in place of the user's carry none; their backward kept the
     # numbers of the ops they replaced, found through the region's other nodes, or rule 2 declines.)
-    sequence = {_seq(node) for node in forward} - {None}
+    # The chain's ops that do not depend on the scores (a bias made from slopes) are differentiated too.
+    sequence = {_seq(node) for node in forward | set(region.chain)} - {None}
     operands = _operands(region)
+    differentiable = _differentiable(region)
     if any(_seq(operand) in sequence for operand in operands) or len(set(operands)) < 3:
         return Decline("an operand of the matmuls comes from the attention's own ops")
     graph = region.pv.graph
@@ -144,7 +157,7 @@ def match_backward(region: AttentionRegion) -> Union[Decline, RegionBackward]:
     for node in backward:
         if all(u in backward for u in node.users):
             continue
-        index = _operand_of(node, operands) if _val(node) is not None else Decline(f"`{node.name}` has no value")
+        index = _operand_of(node, differentiable, backward) if _val(node) is not None else Decline(f"`{node.name}` has no value")
         if isinstance(index, Decline):
             return index
         if index in grads.values():
@@ -199,7 +212,12 @@ def _insert_backward(region: AttentionRegion, matched: RegionBackward, fwd: Trai
     graph = region.pv.graph
     score_shape = list(_val(region.score_root).shape)
     z, m, dv = math.prod(score_shape[:-2]) if len(score_shape) > 2 else 1, score_shape[-2], _val(region.pv).shape[-1]
-    vjp = chain_vjp_module(fwd.chain.graph_module, [_val(region.score_root), *(_val(c) for c in fwd.captured)])
+    chain = fwd.chain.graph_module
+    examples = [_val(region.score_root), *(_val(c) for c in fwd.captured)]
+    vjp = chain_vjp_module(chain, examples)
+    reads = _gradient_reads(region, matched, chain)
+    if isinstance(reads, str):
+        raise RuntimeError(reads)
     position = {n: i for i, n in enumerate(graph.nodes)}
     anchor = matched.grad_out if position[matched.grad_out] > position[fwd.lse] else fwd.lse
     with graph.inserting_before(anchor.next):
@@ -215,22 +233,42 @@ def _insert_backward(region: AttentionRegion, matched: RegionBackward, fwd: Trai
         dense = call_op(graph, aten.eq.Scalar, (row_floor, -math.inf))
         vjp_node = subgraph(graph, vjp, "score_chain_vjp")
         q, kt, v = fwd.operands
+        read_vjps = [subgraph(graph, read_vjp_module(chain, read, examples), "read_vjp") for read in reads]
         both = call_op(graph, ops.online_softmax_attention_backward, (
             q, kt, v, fwd.captured, fwd.subgraphs, fwd.decisions, vjp_node, fwd.lse, delta, dense, grad_out,
-            list(region.captured_sizes),
+            list(region.captured_sizes), read_vjps, [read.as_data() for read in reads],
         ))
-        _hand_out(region, matched, [call_op(graph, operator.getitem, (both, i)) for i in range(3)])
+        grads = {i: call_op(graph, operator.getitem, (both, i)) for i in range(3)}
+        for number, read in enumerate(reads):
+            partial = call_op(graph, operator.getitem, (both, 3 + number))
+            captured = region.captured[read.index]
+            grads[3 + read.index] = gradient_of_read(graph, chain, read, partial, captured, score_shape)
+        _hand_out(region, matched, grads)
 
 
-def _hand_out(region: AttentionRegion, matched: RegionBackward, grads: list) -> None:
-    """R_bwd's outputs replaced by ``grads``, the gradients of the fused op's (scale-free) operands q, kᵀ, v; new
-    nodes go where the caller inserts."""
+def _gradient_reads(region: AttentionRegion, matched: RegionBackward, chain: torch.fx.GraphModule) -> Union[list, str]:
+    """How the kernel gives the gradient of each captured tensor R_bwd hands one out for, or why it cannot."""
+    reads = []
+    for index in sorted(i - 3 for i in matched.grads.values() if i >= 3):
+        read = gradient_read(chain, index, _val(region.captured[index]), list(_val(region.score_root).shape))
+        if isinstance(read, str):
+            return read
+        reads.append(read)
+    return reads
+
+
+def _hand_out(region: AttentionRegion, matched: RegionBackward, grads: Union[list, dict]) -> None:
+    """R_bwd's outputs replaced by ``grads``, the gradients of the fused op's (scale-free) operands q, kᵀ, v, and
+    at ``3 + j`` that of captured tensor j where R_bwd hands one out; new nodes go where the caller inserts."""
     graph = region.pv.graph
     operands = _operands(region)
     # A constant c taken off q or k (``_operand_scale``) is in the chain: the kernel's gradient is that of the
     # unscaled operand, c times the scaled one's.
     scales = [_operand_scale(region.q.node)[1], _operand_scale(region.kt.node)[1], 1.0]
     for value, index in matched.grads.items():
+        if index >= 3:
+            value.replace_all_uses_with(grads[index])
+            continue
         shape = list(_val(operands[index]).shape)
         grad = grads[index]
         if scales[index] != 1.0:
@@ -244,7 +282,7 @@ def _runs_as_sdpa(region: AttentionRegion, matched: RegionBackward) -> bool:
     """Attention SDPA computes exactly, under a policy and on a device that give it to SDPA (``sdpa_route``),
     replaced with its backward by SDPA's pair of kernels (``sdpa_training``); False when it stays ours."""
     call = sdpa_call(region)
-    if call is None:
+    if call is None or any(index >= 3 for index in matched.grads.values()):
         return False
     graph = region.pv.graph
     grads = replace_pair_by_sdpa(region, call, matched.grad_out)
@@ -271,6 +309,9 @@ def fuse_attention_for_training(graph: torch.fx.Graph) -> None:
         matched = match_backward(region) if reason is None else None
         if isinstance(matched, Decline):
             reason = matched.reason
+        elif matched is not None:
+            reads = _gradient_reads(region, matched, _score_chain_module(region))
+            reason = reads if isinstance(reads, str) else None
         if reason is not None:
             counters["inductor"]["flashlight_training_declined"] += 1
             log.info("attention not fused for training at %s: %s", pv.name, reason)

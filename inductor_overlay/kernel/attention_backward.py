@@ -17,7 +17,7 @@ from typing import Any, Optional
 
 import torch
 from torch._inductor import ir
-from torch._inductor.lowering import empty_strided, register_lowering
+from torch._inductor.lowering import empty_strided, full, register_lowering
 from torch._inductor.select_algorithm import SymbolicGridFn, TritonTemplate, autotune_select_algorithm
 from torch._inductor.utils import expr_fits_within_32bit
 from torch._inductor.virtualized import V
@@ -48,16 +48,24 @@ def _grid(z, m, n, meta, *, cdiv):
 @functools.lru_cache(maxsize=None)
 def backward_template(
     batch_ranks: tuple[int, int, int], masked_tile_code: Optional[str], wide: bool, ids: bool,
-    table: Optional[int] = None,
+    table: Optional[int] = None, captured_grads: tuple = (),
 ) -> TritonTemplate:
     """The backward kernel for operands with the given numbers of batch dims (q, kᵀ, v), position-mask test, row
     statistics (``wide``: the row max and sum apart, ``ops.py``) and id-equality mask (``ids``: its row and column
     ids are subgraphs 2 and 3, bounded per tile to skip tiles whose ids are disjoint, as in the forward) and mask
-    table (the subgraph of its cell states, or None: tiles all of whose cells are masked are skipped)."""
+    table (the subgraph of its cell states, or None: tiles all of whose cells are masked are skipped) and the captured
+    tensors whose gradients the kernel sums (``_captured_grads``)."""
     offsets = {f"{name.lower()}_offset": _batch_offset(name, rank) for name, rank in zip(("Q", "KT", "V"), batch_ranks)}
     source = template_files.render(
-        "attention_backward.py.jinja", masked_tile=masked_tile_code, wide=wide, ids=ids, table=table, **offsets
+        "attention_backward.py.jinja", masked_tile=masked_tile_code, wide=wide, ids=ids, table=table,
+        captured_grads=[dict(grad) for grad in captured_grads], **offsets,
     )
+    return _template_of(source)
+
+
+@functools.lru_cache(maxsize=None)
+def _template_of(source: str) -> TritonTemplate:
+    """One template per kernel source (Inductor names must be unique; arguments that render alike share it)."""
     digest = hashlib.sha256(source.encode()).hexdigest()[:10]
     return TritonTemplate(name=f"flashlight_attention_backward_{digest}", grid=_grid, source=source)
 
@@ -86,9 +94,40 @@ def backward_configs(d: int, dv: int, device: torch.device, id_mask: bool = Fals
     ]
 
 
+def _captured_grads(reads: list, first_subgraph: int, batch_shape: list) -> tuple:
+    """The template's view of each read whose gradient the kernel sums: its subgraph, kind, and for a read written
+    per logit the index of its partial's batch entry (``out_z`` decomposed over the batch dims the read varies
+    along) and whether programs share an entry (atomics)."""
+    grads = []
+    for number, read in enumerate(reads):
+        terms, inner, partial_inner = [], 1, 1
+        for size, kept in reversed(list(zip(batch_shape, read["kept_batch"]))):
+            if kept:
+                terms.append(f"((out_z // {inner}) % {size}) * {partial_inner}")
+                partial_inner *= size
+            inner *= size
+        grads.append(tuple(dict(
+            number=number, index=read["index"], subgraph=first_subgraph + number, kind=read["kind"],
+            atomic=not all(read["kept_batch"]), z_index=" + ".join(terms) or "0",
+        ).items()))
+    return tuple(grads)
+
+
+def _partial_buffer(read: dict, batch_shape: list, m, n, device: torch.device):
+    """The float32 partial of a read's gradient (``ops.partial_shape``): zeros where the kernel adds to it or skips
+    tiles of it, uninitialised where every column program writes its own columns."""
+    size = fused_ops.partial_shape(read, batch_shape, m, n)
+    if read["kind"] == "columns":
+        return empty_strided(size, None, dtype=torch.float32, device=device)
+    zeros = full(size, 0.0, dtype=torch.float32, device=device)
+    zeros.realize()
+    return zeros
+
+
 @register_lowering(fused_ops.online_softmax_attention_backward, type_promotion_kind=None)
 def online_softmax_attention_backward_lowering(
-    q, kt, v, captured, score_chain, decisions, chain_vjp, lse, delta, dense, grad_out, sizes=()
+    q, kt, v, captured, score_chain, decisions, chain_vjp, lse, delta, dense, grad_out, sizes=(), read_vjps=(),
+    gradient_reads=(),
 ):
     chain = fused_ops.chain_from_arguments(score_chain, decisions)
     device, captured, (m, d, n, dv), batch_shape, z, score_size = score_problem(q, kt, v, captured, chain)
@@ -119,13 +158,19 @@ def online_softmax_attention_backward_lowering(
         subgraphs.append(
             _lower_score_chain(chain.mask_table_module, chain.score_dtype, [*batch_shape, *cells], device, chain_inputs)
         )
+    captured_grads = _captured_grads(list(gradient_reads), len(subgraphs), batch_shape)
+    subgraphs += [
+        _lower_score_chain(fused_ops._module(vjp), chain.score_dtype, score_size, device, [*chain_inputs, grad_logits], fast_tanh)
+        for vjp in read_vjps
+    ]
     operands = [ir.ExternKernel.realize_input(t) for t in (q, kt, v)]
     ranks = tuple(len(t.get_size()) - 2 for t in operands)
     operands += [ir.ExternKernel.realize_input(t) for t in (lse, delta, dense, grad_out)]
     d, dv = V.graph.sizevars.guard_int(d), V.graph.sizevars.guard_int(dv)
     dkt = empty_strided([z, d, n], None, dtype=kt.get_dtype(), device=device)
     dv_out = empty_strided([z, n, dv], None, dtype=v.get_dtype(), device=device)
-    operands += [dkt, dv_out]
+    partials = [_partial_buffer(read, batch_shape, m, n, device) for read in gradient_reads]
+    operands += [dkt, dv_out, *partials]
     for tensor in operands:
         tensor.freeze_layout()
     dq_size = [z, m, d]
@@ -134,7 +179,7 @@ def online_softmax_attention_backward_lowering(
     wide = not all(expr_fits_within_32bit(t.get_layout().storage_size()) for t in [*operands, *captured])
     template = backward_template(
         ranks, tile_tests.masked_tile_test(chain.masked_formula, reads_vectors=False), chain.wide_logits, chain.id_graph_modules is not None,
-        table,
+        table, captured_grads,
     )
     logit_scale = LOG2E * chain.folded_scale
     choices: list[Any] = []
@@ -149,7 +194,7 @@ def online_softmax_attention_backward_lowering(
             input_nodes=operands,
             layout=layout,
             subgraphs=subgraphs,
-            mutated_inputs=[dkt, dv_out],
+            mutated_inputs=[dkt, dv_out, *partials],
             call_sizes=[z, m, n],
             D=d,
             DV=dv,
@@ -173,4 +218,4 @@ def online_softmax_attention_backward_lowering(
             raise error
     inputs = [*operands, *captured]
     dq = autotune_select_algorithm("flashlight_attention_backward", choices, inputs, layout)
-    return dq, dkt, dv_out
+    return (dq, dkt, dv_out, *partials)

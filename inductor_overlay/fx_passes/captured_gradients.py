@@ -1,0 +1,189 @@
+"""Gradients of the floating tensors a score chain reads (a learned bias, ALiBi slopes, a temperature).
+
+The rule. A tensor ``c`` the chain reads reaches the logits through a read ``R``: ``c`` itself or ``c`` after view
+ops alone (``bias.unsqueeze(0)``, ``slopes[:, None, None]``). When every op from ``R`` to the logits is pointwise
+(each broadcasts its operands elementwise) and every value on the way broadcasts to the score shape ``S``, putting
+``E = R.expand(S)`` in place of ``R`` changes no logit: a pointwise op of broadcast operands is the broadcast of the
+op. The gradient of ``E`` is then one value per logit, ``gE[z, m, n]``, computed in the backward kernel from the
+chain's joint graph with ``E`` as input (``read_vjp_module``), like the scores' own; and the gradient of ``R`` is
+``gE`` summed over the dims along which ``R`` is broadcast, the gradient of ``c`` that of ``R`` taken back through
+the views. Where ``R`` varies along neither the rows nor the columns (slopes ``[H]``, a scalar) or along the
+columns alone (a key bias ``[B, 1, 1, N]``), each column program of the backward sums its column tile over the rows:
+a ``[Z, N]`` float32 partial, no atomics; a read varying along the rows alone sums each tile over its columns into
+``[Z, M]`` (atomics across column programs); a read varying along both is written per logit into
+``[*batch of R, M, N]`` (a plain store, or atomics where ``R`` is shared along a batch dim). The graph finishes the
+sums (``gradient_of_read``). Anything else (a read through a gather, a reduction, a view after a pointwise op)
+declines, with the reason in the log.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional, Union
+
+import torch
+
+from inductor_overlay import ops
+from inductor_overlay.fx_passes.block_sparsity import is_op as _is
+from inductor_overlay.fx_passes.fx_helpers import _VIEWS, _val, aten, call_op, prims
+
+# How the backward kernel accumulates a read's gradient (module doc).
+FULL, ROWS, COLUMNS = "full", "rows", "columns"
+
+
+@dataclasses.dataclass(frozen=True)
+class GradientRead:
+    index: int  # the captured tensor's position among the chain's inputs
+    node: str  # the name, in the chain's module, of the read R
+    shape: tuple  # R's shape
+    kind: str  # FULL, ROWS or COLUMNS
+    kept_batch: tuple  # per score batch dim, whether R varies along it (is not broadcast)
+
+    def as_data(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def _placeholder(chain: torch.fx.GraphModule, index: int) -> torch.fx.Node:
+    return next(n for n in chain.graph.find_nodes(op="placeholder") if n.name == f"captured_{index}")
+
+
+def _broadcasts_to(shape, target) -> bool:
+    return len(shape) <= len(target) and all(a == 1 or a == b for a, b in zip(reversed(shape), reversed(target)))
+
+
+def _pointwise(node: torch.fx.Node) -> bool:
+    target = node.target
+    if target is prims.convert_element_type.default:
+        return True
+    return isinstance(target, torch._ops.OpOverload) and torch.Tag.pointwise in target.tags
+
+
+def _read_of(placeholder: torch.fx.Node) -> torch.fx.Node:
+    """The end of the views alone that ``placeholder`` meets, one user at a time."""
+    read = placeholder
+    while len(read.users) == 1 and _is(next(iter(read.users)), _VIEWS):
+        read = next(iter(read.users))
+    return read
+
+
+def gradient_read(chain: torch.fx.GraphModule, index: int, captured: torch.Tensor, score_shape) -> Union[GradientRead, str]:
+    """How the gradient of captured tensor ``index`` comes out of the backward kernel, or why it cannot."""
+    if not captured.is_floating_point():
+        return f"captured tensor {index} is not floating"
+    read = _read_of(_placeholder(chain, index))
+    shape = tuple(captured.shape) if read.op == "placeholder" else tuple(_val(read).shape) if _val(read) is not None else None
+    if shape is None or not _broadcasts_to(shape, score_shape):
+        return f"captured tensor {index} is read in a shape that does not broadcast to the scores'"
+    frontier, seen = list(read.users), set()
+    while frontier:
+        node = frontier.pop()
+        if node in seen or node.op == "output":
+            continue
+        seen.add(node)
+        value = _val(node)
+        if not _pointwise(node) or (value is not None and not _broadcasts_to(tuple(value.shape), score_shape)):
+            return f"captured tensor {index} meets `{node.target}` on its way to the logits, not a pointwise op"
+        frontier.extend(node.users)
+    padded = (1,) * (len(score_shape) - len(shape)) + shape
+    rows, columns = padded[-2] != 1, padded[-1] != 1
+    kind = FULL if rows and columns else ROWS if rows else COLUMNS
+    kept = tuple(size != 1 for size in padded[:-2])
+    return GradientRead(index, read.name, shape, kind, kept)
+
+
+class _ReadReplaced(ops._Differentiable):
+    """Runs the chain with the read ``node`` broadcast to ``shape`` and made a leaf of autograd (``expanded``)."""
+
+    def __init__(self, module, node: str, shape):
+        super().__init__(module)
+        self.node, self.shape, self.expanded = node, list(shape), None
+
+    def run_node(self, n):
+        value = super().run_node(n)
+        if n.name == self.node:
+            self.expanded = value.detach().expand(self.shape).clone().requires_grad_()
+            return self.expanded
+        return value
+
+
+def read_vjp_module(chain: torch.fx.GraphModule, read: GradientRead, example_inputs: list) -> torch.fx.GraphModule:
+    """``(scores, *captured, *sizes, grad_logits) -> gE``: the gradient, float32 per logit, of the read broadcast to
+    the score shape (module doc), from autograd's joint graph of the chain."""
+    from torch._inductor.decomposition import select_decomp_table
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    def joint(scores, *rest):
+        *inputs, grad_logits = rest
+        interpreter = _ReadReplaced(chain, read.node, scores.shape)
+        with torch.enable_grad():
+            logits = interpreter.run(scores, *inputs)
+            (grad,) = torch.autograd.grad(logits, interpreter.expanded, grad_logits, allow_unused=True)
+        if grad is None:
+            return torch.zeros(scores.shape, dtype=torch.float32, device=scores.device)
+        return grad.to(torch.float32)
+
+    scores, *captured = example_inputs
+    with torch._guards.detect_fake_mode([scores]):
+        logits = chain(scores, *captured)
+        grad = torch.empty_like(logits, memory_format=torch.contiguous_format)
+        traced = make_fx(joint, decomposition_table=select_decomp_table())(scores, *captured, grad)
+    for node in traced.graph.find_nodes(op="placeholder"):
+        node.meta.pop("val", None)
+        node.meta.pop("tensor_meta", None)
+    return traced
+
+
+def _inline(graph: torch.fx.Graph, module: torch.fx.GraphModule, args: list) -> torch.fx.Node:
+    env = dict(zip(module.graph.find_nodes(op="placeholder"), args))
+    for node in module.graph.nodes:
+        if node.op == "call_function":
+            env[node] = call_op(graph, node.target, *torch.fx.node.map_arg((node.args, node.kwargs), env.__getitem__))
+        elif node.op == "output":
+            return torch.fx.node.map_arg(node.args[0], env.__getitem__)
+    raise AssertionError("a module without output")
+
+
+def _views_back(chain: torch.fx.GraphModule, read: GradientRead, captured: torch.Tensor) -> torch.fx.GraphModule:
+    """``(c, grad_read) -> grad_c``: the views from the captured tensor to its read, differentiated."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    placeholder = _placeholder(chain, read.index)
+    views, node = [], placeholder
+    while node.name != read.node:
+        node = next(iter(node.users))
+        views.append(node)
+
+    def back(c, grad_read):
+        with torch.enable_grad():
+            leaf = c.detach().requires_grad_()
+            env = {placeholder: leaf}
+            for view in views:
+                env[view] = view.target(*torch.fx.node.map_arg(view.args, env.__getitem__), **view.kwargs)
+            (grad,) = torch.autograd.grad(env[views[-1]] if views else leaf, leaf, grad_read)
+        return grad
+
+    with torch._guards.detect_fake_mode([captured]):
+        return make_fx(back)(captured, torch.empty(read.shape, dtype=captured.dtype, device=captured.device))
+
+
+def gradient_of_read(
+    graph: torch.fx.Graph, chain: torch.fx.GraphModule, read: GradientRead, partial: torch.fx.Node,
+    captured: torch.fx.Node, score_shape,
+) -> torch.fx.Node:
+    """The gradient of the captured tensor from the kernel's partial (module doc), in the captured tensor's dtype."""
+    batch, (m, n) = list(score_shape[:-2]), score_shape[-2:]
+    padded = [1] * (len(score_shape) - len(read.shape)) + list(read.shape)
+    if read.kind == FULL:
+        grad = partial
+    else:
+        along = [m, 1] if read.kind == ROWS else [1, n]
+        grad = call_op(graph, aten.view.default, (partial, [*batch, *along]))
+        summed = [i for i, size in enumerate(padded) if size == 1 and _val(grad).shape[i] != 1]
+        if summed:
+            grad = call_op(graph, aten.sum.dim_IntList, (grad, summed, True))
+    grad = call_op(graph, aten.reshape.default, (grad, list(read.shape)))
+    value = _val(captured)
+    grad = call_op(graph, prims.convert_element_type.default, (grad, value.dtype))
+    if read.node == _placeholder(chain, read.index).name:
+        return grad
+    return _inline(graph, _views_back(chain, read, value), [captured, grad])
