@@ -308,21 +308,33 @@ def build(p: Program) -> Callable:
 TOLERANCE = {torch.float32: (1e-4, 1e-5), torch.float16: (3e-2, 3e-2), torch.bfloat16: (8e-2, 8e-2)}
 
 
+# Tensors read through a gather: their gradient is a scatter-add, whose duplicates the Triton interpreter of the CPU
+# harness loses on upstream's path too; they do not require grad.
+GATHERED = frozenset({"table"})
+
+
 def _run(program: Callable, args: list, extras: dict, grad: Optional[torch.Tensor]) -> tuple:
-    """The program's outputs, and with ``grad`` (training) the gradients of q, k and v at that upstream gradient."""
+    """The program's outputs, and with ``grad`` (training) the gradients of q, k and v and of the floating tensors
+    the program reads (a bias, slopes: they require grad too) at that upstream gradient."""
     out = program(*args, **extras)
     outs = out if isinstance(out, tuple) else (out,)
     if grad is None:
         return outs
     outs[0].backward(grad.to(outs[0].dtype))
-    return (*(o.detach() for o in outs), *(a.grad for a in args))
+    learned = [t for _, t in sorted(extras.items()) if t.requires_grad]
+    return (*(o.detach() for o in outs), *(a.grad for a in args), *(_grad_or_zeros(t) for t in learned))
+
+
+def _grad_or_zeros(tensor: torch.Tensor) -> torch.Tensor:
+    return torch.zeros_like(tensor) if tensor.grad is None else tensor.grad
 
 
 def check(p: Program, device: str = "cpu", training: bool = False) -> tuple[bool, bool, str]:
     """Compile for ``device`` (the CPU harness, or a GPU) and compare with float64 eager on the CPU: (matches,
     fused, detail). An overlay fault that fell back to upstream counts as a mismatch too: the program ran, but the
-    overlay broke on it. In ``training`` q, k and v require grad: the first output's backward runs at a fresh random
-    upstream gradient, and the three gradients are compared too (fused: forward and backward)."""
+    overlay broke on it. In ``training`` q, k, v and the floating tensors the program reads require grad: the first
+    output's backward runs at a fresh random upstream gradient, and every gradient is compared too (fused: forward
+    and backward)."""
     from flashlight import testing
 
     program = build(p)
@@ -338,6 +350,14 @@ def check(p: Program, device: str = "cpu", training: bool = False) -> tuple[bool
         made = [a.detach().to(dtype or a.dtype).to(to or a.device) for a in args]
         return [a.requires_grad_() for a in made] if training else made
 
+    def tensors(dtype=None, to=None):
+        """The tensors the program reads; in training the floating ones require grad."""
+        made = {}
+        for name, t in extras.items():
+            t = t.detach().to(dtype if dtype is not None and t.is_floating_point() else t.dtype).to(to or t.device)
+            made[name] = t.requires_grad_() if training and t.is_floating_point() and name not in GATHERED else t
+        return made
+
     from torch._inductor.utils import fresh_cache
 
     counters = torch._dynamo.utils.counters
@@ -345,15 +365,13 @@ def check(p: Program, device: str = "cpu", training: bool = False) -> tuple[bool
     torch._dynamo.reset()
     if device == "cpu":
         with testing.cpu_triton(), fresh_cache():
-            out = _run(torch.compile(program), leaves(), extras, grad)
+            out = _run(torch.compile(program), leaves(), tensors(), grad)
     else:
-        moved = {name: t.to(device) for name, t in extras.items()}
         with fresh_cache():
-            out = _run(torch.compile(program), leaves(to=device), moved, None if grad is None else grad.to(device))
+            out = _run(torch.compile(program), leaves(to=device), tensors(to=device), None if grad is None else grad.to(device))
         out = tuple(t.cpu() for t in out)
-    up = {name: (t.double() if t.is_floating_point() else t) for name, t in extras.items()}
-    expected = _run(program, leaves(torch.float64), up, grad)
-    eager = _run(program, leaves(), extras, grad)
+    expected = _run(program, leaves(torch.float64), tensors(torch.float64), grad)
+    eager = _run(program, leaves(), tensors(), grad)
     rtol, atol = TOLERANCE[p.dtype]
     fused_counter = "flashlight_attention_fused_for_training" if training else "flashlight_attention_fused"
     fused = counters["inductor"][fused_counter] >= 1

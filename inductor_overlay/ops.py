@@ -368,6 +368,7 @@ def online_softmax_attention_with_lse(q, kt, v, captured, score_chain, decisions
 
 def online_softmax_attention_backward(
     q, kt, v, captured, score_chain, decisions, chain_vjp, lse, delta, dense, grad_out, sizes=(), read_vjps=(), gradient_reads=(),
+    unmasked_vjp=None,
 ):
     """The fused backward: the gradients of ``online_softmax_attention`` at ``grad_out`` ``[Z, M, Dv]`` with respect
     to the operands as the scores and output matmuls read them: ``dq [Z, M, D]``, ``dkt [Z, D, N]``, ``dv [Z, N, Dv]``.
@@ -377,7 +378,8 @@ def online_softmax_attention_backward(
     those; run eagerly, the gradients come from autograd through the op's meaning, which needs none of them.
     ``read_vjps`` and ``gradient_reads`` (plain data): for each captured tensor whose gradient is wanted, the
     derivative of its read broadcast to the score shape and how the kernel sums it; one float32 partial each follows
-    the three gradients (``fx_passes/captured_gradients.py``)."""
+    the three gradients (``fx_passes/captured_gradients.py``). ``unmasked_vjp``: the derivative of the chain without
+    its masks, which the kernel runs on entirely visible tiles."""
     z = math.prod(decisions["batch_shape"])
     m, d, n, dv = q.shape[-2], q.shape[-1], kt.shape[-1], v.shape[-1]
     operands = [t.detach().reshape(shape).requires_grad_() for t, shape in ((q, (z, m, d)), (kt, (z, d, n)), (v, (z, n, dv)))]
@@ -434,6 +436,7 @@ def online_softmax_attention_with_lse_fake(q, kt, v, captured, score_chain, deci
 
 def online_softmax_attention_backward_fake(
     q, kt, v, captured, score_chain, decisions, chain_vjp, lse, delta, dense, grad_out, sizes=(), read_vjps=(), gradient_reads=(),
+    unmasked_vjp=None,
 ):
     z = math.prod(decisions["batch_shape"])
     m, d, n, dv = q.shape[-2], q.shape[-1], kt.shape[-1], v.shape[-1]

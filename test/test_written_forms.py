@@ -150,9 +150,9 @@ def test_floor_of_a_difference_rounds_down_for_negative_values():
 
 
 def test_captured_positions_train_with_the_fused_backward():
-    """In training the forward skips tiles by the captured positions' cells; the backward, which has no pre-pass over
-    position vectors, leaves those terms out of its tile test and masks per element: outputs and gradients match
-    float64 eager, and nothing falls back (containment off: a fault raises)."""
+    """In training both passes skip tiles by the captured positions' cells: the backward's pre-pass bounds the
+    column program's own columns and each scanned row tile (and the reverse in the row programs); outputs and
+    gradients match float64 eager, and nothing falls back (containment off: a fault raises)."""
     from torch._dynamo.utils import counters
 
     from inductor_overlay import config
@@ -164,10 +164,20 @@ def test_captured_positions_train_with_the_fused_backward():
     counters.clear()
     with testing.cpu_triton(), config.patch(sdpa_pattern_policy="flashlight", fault_containment=False):
         torch._dynamo.reset()
-        out = torch.compile(fn)(*leaves)
-        grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(0))
-        out.backward(grad)
+        def step():
+            out = torch.compile(fn)(*leaves)
+            grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(0))
+            out.backward(grad)
+            return out, grad
+
+        (out, grad), code = testing.run_keeping_graphs_and_get_code(step)
     assert counters["inductor"]["flashlight_attention_fused_for_training"] == 1
+    (backward,) = [text for text in testing.triton_kernels(code).values() if "grad_scores" in text]
+    FileCheck().check("if tile < column_tiles:").check("col_pos_lo = tl.min(").check("for scan_m in").check(
+        "row_pos_lo = tl.min("
+    ).check("masked = ").check("row_pos_").check("else:").check("row_pos_lo = tl.min(").check("for scan_n in").check(
+        "col_pos_lo = tl.min("
+    ).check("masked = ").check("col_pos_").run(backward)
     exact = [t.detach().double().requires_grad_(True) for t in (q, k, v)]
     expected = fn(*exact)
     expected.backward(grad.double())

@@ -1,4 +1,4 @@
-"""Run as `PYTHONPATH=. python tools/gpu_training.py [--variants=a,b] [--shapes=BxHxSxD,...] [--check-only]`.
+"""Run as `PYTHONPATH=. python tools/gpu_training.py [--variants=a,b] [--shapes=BxHxSxD,...] [--check-only] [--learned]`.
 
 Training on the GPU: forward + backward of each variant's first idiom, inputs requiring grad.
 
@@ -8,6 +8,9 @@ Training on the GPU: forward + backward of each variant's first idiom, inputs re
    (under the default policy: plain causal attention trains on SDPA's kernels, ``as_sdpa``),
    default ``torch.compile`` (overlay off), FlexAttention (the variant's score_mod / block mask, compiled) and SDPA
    where the variant has one; peak memory of one step beside each. One process, so the ratios compare like with like.
+
+With ``--learned`` the variant's floating tensors (ALiBi's slopes, a per-head bias) require grad too: their
+gradients are checked and computed in every timed step (FlexAttention's as its captured buffers' gradients).
 """
 
 from __future__ import annotations
@@ -35,7 +38,13 @@ def _arg(name: str, default: str) -> str:
 
 def _inputs(variant, shape, dtype):
     q, k, v, extras = make_inputs(variant, variant.adapt(shape), device="cuda", dtype=dtype)
+    if "--learned" in sys.argv:
+        extras = {name: t.requires_grad_() if t.is_floating_point() else t for name, t in extras.items()}
     return [t.requires_grad_() for t in (q, k, v)], extras
+
+
+def _learned(extras) -> list:
+    return [t for t in extras.values() if t.requires_grad]
 
 
 def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -53,12 +62,14 @@ def check(variant) -> str:
     inductor = torch._dynamo.utils.counters["inductor"]
     fused, as_sdpa = inductor["flashlight_attention_fused_for_training"], inductor["flashlight_attention_as_sdpa_for_training"]
     ref = [t.detach().double().requires_grad_() for t in (q, k, v)]
-    wide = {n: t.double() if t.is_floating_point() else t for n, t in extras.items()}
+    wide = {n: t.detach().double().requires_grad_(t.requires_grad) if t.is_floating_point() else t for n, t in extras.items()}
     expected = fn(*ref, **wide)
     expected.backward(grad.double())
     errors = [_relative(out, expected)] + [_relative(t.grad, r.grad) for t, r in zip((q, k, v), ref)]
+    errors += [_relative(extras[n].grad, wide[n].grad) for n in extras if extras[n].requires_grad]
     ok = all(e < 2e-2 for e in errors)
-    return f"{'ok ' if ok else 'BAD'} {variant.name:16} fused={fused} as_sdpa={as_sdpa} errors out/dq/dk/dv " + " ".join(f"{e:.1e}" for e in errors)
+    fallback = inductor["flashlight_fault_fallback"]
+    return f"{'ok ' if ok else 'BAD'} {variant.name:16} fused={fused} as_sdpa={as_sdpa} fallback={fallback} errors out/dq/dk/dv(/learned) " + " ".join(f"{e:.1e}" for e in errors)
 
 
 def step_time(run, tensors, extras) -> tuple[float, float]:
@@ -75,7 +86,8 @@ def step_time(run, tensors, extras) -> tuple[float, float]:
     step()
     torch.cuda.synchronize()
     peak = (torch.cuda.max_memory_allocated() - base) / 2**20
-    ms = triton.testing.do_bench(step, warmup=25, rep=100, grad_to_none=tensors, return_mode="median")
+    learned = _learned(extras)
+    ms = triton.testing.do_bench(step, warmup=25, rep=100, grad_to_none=[*tensors, *learned], return_mode="median")
     return ms, peak
 
 
@@ -105,7 +117,7 @@ def bench(variant, shape) -> list[str]:
         inductor = torch._dynamo.utils.counters["inductor"]
         fused, as_sdpa = inductor["flashlight_attention_fused_for_training"], inductor["flashlight_attention_as_sdpa_for_training"]
         times[impl] = ms
-        note = f" fused={fused} as_sdpa={as_sdpa}" if impl == "flashlight" else ""
+        note = f" fused={fused} as_sdpa={as_sdpa} fallback={inductor['flashlight_fault_fallback']}" if impl == "flashlight" else ""
         rows.append(f"  {impl:10} {ms:8.3f} ms  peak {peak:8.1f} MiB{note}")
         torch.cuda.empty_cache()
     ours = times.get("flashlight")

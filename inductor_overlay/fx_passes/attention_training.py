@@ -125,19 +125,37 @@ def _reached(nodes: set, neighbours) -> set:
     return reached
 
 
+def _gradients_read(backward: set) -> set:
+    return {arg for node in backward for arg in node.all_input_nodes if arg not in backward and _backward(arg)}
+
+
+def _with_chain_backward(region: AttentionRegion, backward: set, sequence: set) -> set:
+    """``backward`` with the backward of the chain's ops that do not depend on the scores (a bias made from slopes
+    inside the chain), where it reads what ``backward`` computes: the gradient flowing on to a captured tensor."""
+    chain_sequence = {_seq(node) for node in region.chain} - sequence - {None}
+    graph = region.pv.graph
+    candidates = [n for n in graph.nodes if n.op == "call_function" and _backward(n) and _seq(n) in chain_sequence]
+    grown = True
+    while grown:
+        added = {n for n in candidates if n not in backward and any(a in backward for a in n.all_input_nodes)}
+        backward = backward | added
+        grown = bool(added)
+    return _convex(backward)
+
+
 def match_backward(region: AttentionRegion) -> Union[Decline, RegionBackward]:
     """Rules 1–4 of the module doc for a region found in a joint graph."""
     forward = region.internal | {region.pv}
     # (Nodes upstream's joint-graph patterns put in place of the user's carry none; their backward kept the
     # numbers of the ops they replaced, found through the region's other nodes, or rule 2 declines.)
-    # The chain's ops that do not depend on the scores (a bias made from slopes) are differentiated too.
-    sequence = {_seq(node) for node in forward | set(region.chain)} - {None}
+    sequence = {_seq(node) for node in forward} - {None}
     operands = _operands(region)
     differentiable = _differentiable(region)
     if any(_seq(operand) in sequence for operand in operands) or len(set(operands)) < 3:
         return Decline("an operand of the matmuls comes from the attention's own ops")
     graph = region.pv.graph
-    backward = _convex({n for n in graph.nodes if n.op == "call_function" and _backward(n) and _seq(n) in sequence})
+    own = _convex({n for n in graph.nodes if n.op == "call_function" and _backward(n) and _seq(n) in sequence})
+    backward = _with_chain_backward(region, own, sequence)
     if not backward:
         return Decline("the attention's backward was not found")
     # Forward nodes of the region's ops that only its backward reads (an alias of the saved probabilities).
@@ -147,11 +165,12 @@ def match_backward(region: AttentionRegion) -> Union[Decline, RegionBackward]:
         outside = [u for u in node.users if u not in forward and u not in backward and u not in saved]
         if outside and not all(_is(u, aten.sym_size.int) for u in outside):
             return Decline(f"`{node.name}` is used outside the attention and its backward (rule 2)")
-    gradients = {
-        arg for node in backward for arg in node.all_input_nodes if arg not in backward and _backward(arg)
-    }
+    gradients = _gradients_read(backward)
     pv_shape = tuple(_val(region.pv).shape)
     if len(gradients) != 1 or tuple(_val(next(iter(gradients))).shape) != pv_shape:
+        if backward != own and len(_gradients_read(own)) == 1:
+            return Decline("the gradient of a tensor the chain reads flows through ops that read other gradients too "
+                           "(a gather's is a scatter): not fused")
         return Decline(f"the attention's backward reads {len(gradients)} gradients, not its output's alone (rule 3)")
     grads = {}
     for node in backward:
@@ -234,9 +253,14 @@ def _insert_backward(region: AttentionRegion, matched: RegionBackward, fwd: Trai
         vjp_node = subgraph(graph, vjp, "score_chain_vjp")
         q, kt, v = fwd.operands
         read_vjps = [subgraph(graph, read_vjp_module(chain, read, examples), "read_vjp") for read in reads]
+        # Entirely visible tiles run the chain without its masks, and its derivative (not with captured gradients).
+        unmasked = fwd.chain.unmasked_graph_module
+        unmasked_vjp = None if unmasked is None or reads else subgraph(
+            graph, chain_vjp_module(unmasked, examples), "score_chain_vjp_unmasked"
+        )
         both = call_op(graph, ops.online_softmax_attention_backward, (
             q, kt, v, fwd.captured, fwd.subgraphs, fwd.decisions, vjp_node, fwd.lse, delta, dense, grad_out,
-            list(region.captured_sizes), read_vjps, [read.as_data() for read in reads],
+            list(region.captured_sizes), read_vjps, [read.as_data() for read in reads], unmasked_vjp,
         ))
         grads = {i: call_op(graph, operator.getitem, (both, i)) for i in range(3)}
         for number, read in enumerate(reads):

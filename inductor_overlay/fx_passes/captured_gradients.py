@@ -73,7 +73,9 @@ def gradient_read(chain: torch.fx.GraphModule, index: int, captured: torch.Tenso
     read = _read_of(_placeholder(chain, index))
     shape = tuple(captured.shape) if read.op == "placeholder" else tuple(_val(read).shape) if _val(read) is not None else None
     if shape is None or not _broadcasts_to(shape, score_shape):
-        return f"captured tensor {index} is read in a shape that does not broadcast to the scores'"
+        users = ", ".join(f"`{user.target}`" for user in read.users)
+        return (f"the gradient of captured tensor {index} {tuple(captured.shape)}: it reaches the scores through "
+                f"{users}, not by broadcasting (a gather's gradient is a scatter, not fused)")
     frontier, seen = list(read.users), set()
     while frontier:
         node = frontier.pop()

@@ -48,17 +48,25 @@ def _grid(z, m, n, meta, *, cdiv):
 @functools.lru_cache(maxsize=None)
 def backward_template(
     batch_ranks: tuple[int, int, int], masked_tile_code: Optional[str], wide: bool, ids: bool,
-    table: Optional[int] = None, captured_grads: tuple = (),
+    table: Optional[int] = None, captured_grads: tuple = (), positions: Optional[tuple] = None,
+    visible_tile: Optional[tuple] = None, partial_stages: bool = False,
 ) -> TritonTemplate:
     """The backward kernel for operands with the given numbers of batch dims (q, kᵀ, v), position-mask test, row
     statistics (``wide``: the row max and sum apart, ``ops.py``) and id-equality mask (``ids``: its row and column
     ids are subgraphs 2 and 3, bounded per tile to skip tiles whose ids are disjoint, as in the forward) and mask
     table (the subgraph of its cell states, or None: tiles all of whose cells are masked are skipped) and the captured
-    tensors whose gradients the kernel sums (``_captured_grads``)."""
+    tensors whose gradients the kernel sums (``_captured_grads``) and the subgraphs of the position cells a mask
+    reads (row, column; None for one it does not read), as the forward's pre-pass reads them; ``visible_tile``: the
+    subgraphs of the chain without its masks and of its derivative, and the tests of entirely visible tiles for each
+    kind of program (``_visible_tiles``), or None; ``partial_stages``: the loops over partly masked tiles run
+    unpipelined (a mask read per element)."""
     offsets = {f"{name.lower()}_offset": _batch_offset(name, rank) for name, rank in zip(("Q", "KT", "V"), batch_ranks)}
     source = template_files.render(
         "attention_backward.py.jinja", masked_tile=masked_tile_code, wide=wide, ids=ids, table=table,
-        captured_grads=[dict(grad) for grad in captured_grads], **offsets,
+        captured_grads=[dict(grad) for grad in captured_grads], positions=positions,
+        visible_tile=None if visible_tile is None else dict(visible_tile),
+        partial_range="tl.range" if partial_stages else "range", partial_stages=", num_stages=1" if partial_stages else "",
+        **offsets,
     )
     return _template_of(source)
 
@@ -113,6 +121,21 @@ def _captured_grads(reads: list, first_subgraph: int, batch_shape: list) -> tupl
     return tuple(grads)
 
 
+def _visible_tiles(chain: Any, first_subgraph: int) -> Optional[tuple]:
+    """Where the forward runs entirely visible tiles without the masks, the backward does too: the subgraphs of the
+    unmasked chain and of its derivative (``first_subgraph`` and the next), and the visible-tile tests for programs
+    that scan row tiles (dK, dV) and column tiles (dQ); None where no tile is known visible."""
+    if chain.unmasked_graph_module is None:
+        return None
+    rows_scanned = tile_tests.visible_tile_test(chain, rows_scanned=True)
+    columns_scanned = tile_tests.visible_tile_test(chain)
+    if rows_scanned is None or columns_scanned is None:
+        return None
+    return tuple(dict(
+        chain=first_subgraph, vjp=first_subgraph + 1, rows_scanned=rows_scanned, columns_scanned=columns_scanned
+    ).items())
+
+
 def _partial_buffer(read: dict, batch_shape: list, m, n, device: torch.device):
     """The float32 partial of a read's gradient (``ops.partial_shape``): zeros where the kernel adds to it or skips
     tiles of it, uninitialised where every column program writes its own columns."""
@@ -127,7 +150,7 @@ def _partial_buffer(read: dict, batch_shape: list, m, n, device: torch.device):
 @register_lowering(fused_ops.online_softmax_attention_backward, type_promotion_kind=None)
 def online_softmax_attention_backward_lowering(
     q, kt, v, captured, score_chain, decisions, chain_vjp, lse, delta, dense, grad_out, sizes=(), read_vjps=(),
-    gradient_reads=(),
+    gradient_reads=(), unmasked_vjp=None,
 ):
     chain = fused_ops.chain_from_arguments(score_chain, decisions)
     device, captured, (m, d, n, dv), batch_shape, z, score_size = score_problem(q, kt, v, captured, chain)
@@ -158,6 +181,24 @@ def online_softmax_attention_backward_lowering(
         subgraphs.append(
             _lower_score_chain(chain.mask_table_module, chain.score_dtype, [*batch_shape, *cells], device, chain_inputs)
         )
+    positions = None
+    if chain.position_graph_modules is not None and chain.masked_formula is not None:
+        numbers = []
+        for module in chain.position_graph_modules:  # the vectors read at the rows and at the columns
+            numbers.append(None if module is None else len(subgraphs))
+            if module is not None:
+                subgraphs.append(_lower_score_chain(module, chain.score_dtype, score_size, device, chain_inputs))
+        positions = tuple(numbers)
+    masked_tile = tile_tests.masked_tile_test(chain.masked_formula, reads_vectors=positions is not None)
+    visible_tile = None
+    if unmasked_vjp is not None and (masked_tile or chain.id_graph_modules is not None or table is not None):
+        visible_tile = _visible_tiles(chain, len(subgraphs))
+    if visible_tile is not None:
+        unmasked_modules = [chain.unmasked_graph_module, fused_ops._module(unmasked_vjp)]
+        subgraphs.append(_lower_score_chain(unmasked_modules[0], chain.score_dtype, score_size, device, chain_inputs, fast_tanh))
+        subgraphs.append(_lower_score_chain(
+            unmasked_modules[1], chain.score_dtype, score_size, device, [*chain_inputs, grad_logits], fast_tanh
+        ))
     captured_grads = _captured_grads(list(gradient_reads), len(subgraphs), batch_shape)
     subgraphs += [
         _lower_score_chain(fused_ops._module(vjp), chain.score_dtype, score_size, device, [*chain_inputs, grad_logits], fast_tanh)
@@ -177,16 +218,18 @@ def online_softmax_attention_backward_lowering(
     layout = ir.FixedLayout(device, q.get_dtype(), dq_size, ir.FlexibleLayout.contiguous_strides(dq_size))
     fp32_dot = q.get_dtype() == torch.float32
     wide = not all(expr_fits_within_32bit(t.get_layout().storage_size()) for t in [*operands, *captured])
+    reads_per_element = _score_sized_bytes(captured, m, n) > 0
     template = backward_template(
-        ranks, tile_tests.masked_tile_test(chain.masked_formula, reads_vectors=False), chain.wide_logits, chain.id_graph_modules is not None,
-        table, captured_grads,
+        ranks, masked_tile, chain.wide_logits, chain.id_graph_modules is not None, table, captured_grads, positions,
+        visible_tile, reads_per_element and visible_tile is not None,
     )
     logit_scale = LOG2E * chain.folded_scale
     choices: list[Any] = []
     configs = backward_configs(d, dv, device, chain.id_graph_modules is not None)
-    if _score_sized_bytes(captured, m, n) > 0:
+    if reads_per_element and visible_tile is None:
         # A mask or bias read per element: Triton 3.6's pipeliner fails in make_llir on this kernel at rows of 2048
-        # and more (a boolean mask tensor on the H200; 1024 compiled): its loops run unpipelined.
+        # and more (a boolean mask tensor on the H200; 1024 compiled): its loops run unpipelined. (With visible
+        # tiles apart, only the loops over partly masked tiles do, ``partial_stages``.)
         configs = [dict(config, num_stages=1) for config in configs]
     for config in _autotuned(configs):
         error = template.maybe_append_choice(

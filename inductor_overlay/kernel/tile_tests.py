@@ -19,6 +19,8 @@ from inductor_overlay.ops import COL, COL_READ, ROW, ROW_READ
 
 # Over the row tile's id range [row_id_lo, row_id_hi] and the column ids of SCAN_TILES tiles ([SCAN_TILES, BLOCK_N]).
 IDS_ALL_EQUAL = "((row_id_lo == row_id_hi) & (tl.min(col_ids, 1) == row_id_lo) & (tl.max(col_ids, 1) == row_id_lo))"
+# The same where a program owns columns and scans row tiles (the backward's dK and dV programs).
+IDS_ALL_EQUAL_ROWS_SCANNED = "((col_id_lo == col_id_hi) & (tl.min(row_ids, 1) == col_id_lo) & (tl.max(row_ids, 1) == col_id_lo))"
 
 # Over the states of the cells of SCAN_TILES tiles (the pre-pass's ``table_hi``): no cell masks any element.
 TABLE_CELLS_UNMASKED = "(table_hi == 0)"
@@ -135,16 +137,17 @@ def _without_reads(formula: Optional[sympy.Boolean]) -> Optional[sympy.Boolean]:
     return sympy.Or(*terms) if terms else None
 
 
-def visible_tile_test(chain: Any) -> Optional[str]:
+def visible_tile_test(chain: Any, rows_scanned: bool = False) -> Optional[str]:
     """The test that none of the masks the chain's unmasked form dropped (``ops.ScoreChain``) masks any element of
     a tile: position masks by their formula, an id-equality mask when all the tile's ids are one value, the mask a
     table summarises when no cell of the tile masks anything. None: no tile is known visible (a formula that cannot
-    be bounded), so the tiles have no loop of their own."""
+    be bounded), so the tiles have no loop of their own. ``rows_scanned``: for a program that owns a column tile and
+    scans row tiles."""
     parts = []
     if chain.visible_formula is not None:
         parts.append(_tile_codes(chain.visible_formula)[1])
     if chain.drops_id_mask:
-        parts.append(IDS_ALL_EQUAL)
+        parts.append(IDS_ALL_EQUAL_ROWS_SCANNED if rows_scanned else IDS_ALL_EQUAL)
     if chain.drops_table_mask:
         parts.append(TABLE_CELLS_UNMASKED)
     if not parts or None in parts:
