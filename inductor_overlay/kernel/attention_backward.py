@@ -49,7 +49,7 @@ def _grid(z, m, n, meta, *, cdiv):
 def backward_template(
     batch_ranks: tuple[int, int, int], masked_tile_code: Optional[str], wide: bool, ids: bool,
     table: Optional[int] = None, captured_grads: tuple = (), positions: Optional[tuple] = None,
-    visible_tile: Optional[tuple] = None, partial_stages: bool = False,
+    visible_tile: Optional[tuple] = None,
 ) -> TritonTemplate:
     """The backward kernel for operands with the given numbers of batch dims (q, kᵀ, v), position-mask test, row
     statistics (``wide``: the row max and sum apart, ``ops.py``) and id-equality mask (``ids``: its row and column
@@ -58,15 +58,12 @@ def backward_template(
     tensors whose gradients the kernel sums (``_captured_grads``) and the subgraphs of the position cells a mask
     reads (row, column; None for one it does not read), as the forward's pre-pass reads them; ``visible_tile``: the
     subgraphs of the chain without its masks and of its derivative, and the tests of entirely visible tiles for each
-    kind of program (``_visible_tiles``), or None; ``partial_stages``: the loops over partly masked tiles run
-    unpipelined (a mask read per element)."""
+    kind of program (``_visible_tiles``), or None."""
     offsets = {f"{name.lower()}_offset": _batch_offset(name, rank) for name, rank in zip(("Q", "KT", "V"), batch_ranks)}
     source = template_files.render(
         "attention_backward.py.jinja", masked_tile=masked_tile_code, wide=wide, ids=ids, table=table,
         captured_grads=[dict(grad) for grad in captured_grads], positions=positions,
-        visible_tile=None if visible_tile is None else dict(visible_tile),
-        partial_range="tl.range" if partial_stages else "range", partial_stages=", num_stages=1" if partial_stages else "",
-        **offsets,
+        visible_tile=None if visible_tile is None else dict(visible_tile), **offsets,
     )
     return _template_of(source)
 
@@ -218,18 +215,19 @@ def online_softmax_attention_backward_lowering(
     layout = ir.FixedLayout(device, q.get_dtype(), dq_size, ir.FlexibleLayout.contiguous_strides(dq_size))
     fp32_dot = q.get_dtype() == torch.float32
     wide = not all(expr_fits_within_32bit(t.get_layout().storage_size()) for t in [*operands, *captured])
-    reads_per_element = _score_sized_bytes(captured, m, n) > 0
     template = backward_template(
         ranks, masked_tile, chain.wide_logits, chain.id_graph_modules is not None, table, captured_grads, positions,
-        visible_tile, reads_per_element and visible_tile is not None,
+        visible_tile,
     )
     logit_scale = LOG2E * chain.folded_scale
     choices: list[Any] = []
     configs = backward_configs(d, dv, device, chain.id_graph_modules is not None)
-    if reads_per_element and visible_tile is None:
+    if _score_sized_bytes(captured, m, n) > 0:
         # A mask or bias read per element: Triton 3.6's pipeliner fails in make_llir on this kernel at rows of 2048
-        # and more (a boolean mask tensor on the H200; 1024 compiled): its loops run unpipelined. (With visible
-        # tiles apart, only the loops over partly masked tiles do, ``partial_stages``.)
+        # and more (a boolean mask tensor on the H200; 1024 compiled): its loops run unpipelined. (Pipelining only
+        # the loop over entirely visible tiles, which reads no mask, measured 0.82× and 0.98× for HF's decoder mask,
+        # 1.03× for a boolean mask tensor: H100, bf16, forward + backward, 4×32×4096×64 and 2×16×8192×128,
+        # 2026-11-27, results/training/bench_mask_tensor_stages.txt.)
         configs = [dict(config, num_stages=1) for config in configs]
     for config in _autotuned(configs):
         error = template.maybe_append_choice(
