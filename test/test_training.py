@@ -429,6 +429,53 @@ def test_a_fault_in_the_backward_kernel_falls_back_to_the_meaning_of_the_node(mo
     assert_matches_eager(fn, operands, {}, out, grads, grad)
 
 
+def _bias_viewed(q, k, v, bias):
+    return torch.softmax(q @ k.transpose(-1, -2) + bias.view(1, *bias.shape), -1) @ v
+
+
+@pytest.mark.parametrize("learned", [True, False])
+def test_a_bias_read_through_a_view_trains_fused(learned):
+    """Inductor's joint-graph passes also run on the subgraphs of a graph that trains and read the value of a view's
+    input: the chain's inputs carry their values (a view of a captured bias crashed the compile)."""
+    operands = [torch.randn(1, 2, 12, 8).requires_grad_() for _ in range(3)]
+    bias = torch.randn(2, 12, 12)
+    operands, extras = (operands + [bias.requires_grad_()], {}) if learned else (operands, {"bias": bias})
+    out, grads, grad, code = train_on_cpu(_bias_viewed, operands, extras)
+    assert_matches_eager(_bias_viewed, operands, extras, out, grads, grad)
+    assert counters["inductor"]["flashlight_attention_fused_for_training"] == 1
+
+
+def test_gradients_summed_with_atomics_decline_under_deterministic_algorithms(caplog):
+    """A bias shared across the batch sums its gradient with float32 atomics, whose order varies: under
+    ``torch.use_deterministic_algorithms`` it declines (the log says why) and trains on upstream's path."""
+    operands = [torch.randn(2, 3, 20, 8).requires_grad_() for _ in range(3)] + [torch.randn(3, 20, 20).requires_grad_()]
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        with caplog.at_level(logging.INFO, logger="flashlight"):
+            out, grads, grad, _ = train_on_cpu(_bias_added, operands, {})
+    finally:
+        torch.use_deterministic_algorithms(False)
+    assert "summed with atomics; deterministic algorithms are requested" in caplog.text
+    assert counters["inductor"]["flashlight_attention_fused_for_training"] == 0
+    assert_matches_eager(_bias_added, operands, {}, out, grads, grad)
+
+
+def _positions_after_a_transpose(q, k, v_rows):
+    v = v_rows.transpose(1, 2)  # a differentiable op just before the positions, which carry its sequence number
+    i = torch.arange(q.shape[1], device=q.device)
+    scores = torch.bmm(q, k.transpose(1, 2))
+    return torch.bmm(torch.softmax(scores.masked_fill(i[:, None] < i[None, :], float("-inf")), -1), v)
+
+
+def test_positions_made_after_another_op_do_not_pull_its_backward_in():
+    """Ops that make no autograd node (an ``arange``, a comparison) carry the sequence number of the op before them:
+    the chain's backward is not taken to include that op's backward, and the attention trains fused."""
+    operands = [torch.randn(2, 12, 8).requires_grad_(), torch.randn(2, 12, 8).requires_grad_(), torch.randn(2, 8, 12).requires_grad_()]
+    out, grads, grad, code = train_on_cpu(_positions_after_a_transpose, operands, {})
+    assert_matches_eager(_positions_after_a_transpose, operands, {}, out, grads, grad)
+    assert counters["inductor"]["flashlight_attention_fused_for_training"] == 1
+
+
 def test_64_bit_indexing_kernels_pass_the_gpu_front_end(monkeypatch):
     """Operands beyond 2^31 elements index in 64 bits (``INDEX_DTYPE``): the backward's two branches still define
     their shared names with one type each (Triton merges them), with a mask and a learned bias; forced here at a

@@ -132,8 +132,12 @@ def _gradients_read(backward: set) -> set:
 def _with_chain_backward(region: AttentionRegion, backward: set, sequence: set) -> set:
     """``backward`` with the backward of the chain's ops that do not depend on the scores (a bias made from slopes
     inside the chain), where it reads what ``backward`` computes: the gradient flowing on to a captured tensor."""
-    chain_sequence = {_seq(node) for node in region.chain} - sequence - {None}
     graph = region.pv.graph
+    # A forward op that makes no autograd node (an ``iota``, a comparison) carries the number of the op before it:
+    # numbers that also label forward nodes outside the chain are not the chain's own.
+    chain = set(region.chain)
+    elsewhere = {_seq(n) for n in graph.nodes if n.op == "call_function" and not _backward(n) and n not in chain}
+    chain_sequence = {_seq(node) for node in region.chain} - sequence - elsewhere - {None}
     candidates = [n for n in graph.nodes if n.op == "call_function" and _backward(n) and _seq(n) in chain_sequence]
     grown = True
     while grown:
@@ -144,7 +148,17 @@ def _with_chain_backward(region: AttentionRegion, backward: set, sequence: set) 
 
 
 def match_backward(region: AttentionRegion) -> Union[Decline, RegionBackward]:
-    """Rules 1–4 of the module doc for a region found in a joint graph."""
+    """Rules 1–4 of the module doc for a region found in a joint graph: with the backward of the chain's own ops
+    (``_with_chain_backward``), or, where that does not match, without it (no gradient for a tensor the chain reads
+    through them)."""
+    matched = _match_backward(region, with_chain=True)
+    if isinstance(matched, Decline):
+        without = _match_backward(region, with_chain=False)
+        return matched if isinstance(without, Decline) else without
+    return matched
+
+
+def _match_backward(region: AttentionRegion, with_chain: bool) -> Union[Decline, RegionBackward]:
     forward = region.internal | {region.pv}
     # (Nodes upstream's joint-graph patterns put in place of the user's carry none; their backward kept the
     # numbers of the ops they replaced, found through the region's other nodes, or rule 2 declines.)
@@ -155,7 +169,7 @@ def match_backward(region: AttentionRegion) -> Union[Decline, RegionBackward]:
         return Decline("an operand of the matmuls comes from the attention's own ops")
     graph = region.pv.graph
     own = _convex({n for n in graph.nodes if n.op == "call_function" and _backward(n) and _seq(n) in sequence})
-    backward = _with_chain_backward(region, own, sequence)
+    backward = _with_chain_backward(region, own, sequence) if with_chain else own
     if not backward:
         return Decline("the attention's backward was not found")
     # Forward nodes of the region's ops that only its backward reads (an alias of the saved probabilities).
@@ -220,9 +234,6 @@ def chain_vjp_module(chain: torch.fx.GraphModule, example_inputs: list) -> torch
         grad = torch.empty_like(logits, memory_format=torch.contiguous_format)
         scores.requires_grad_(True)
         traced = make_fx(joint, decomposition_table=select_decomp_table())(scores, *captured, grad)
-    for node in traced.graph.find_nodes(op="placeholder"):
-        node.meta.pop("val", None)
-        node.meta.pop("tensor_meta", None)
     return traced
 
 
@@ -274,7 +285,7 @@ def _gradient_reads(region: AttentionRegion, matched: RegionBackward, chain: tor
     """How the kernel gives the gradient of each captured tensor R_bwd hands one out for, or why it cannot."""
     reads = []
     for index in sorted(i - 3 for i in matched.grads.values() if i >= 3):
-        read = gradient_read(chain, index, _val(region.captured[index]), list(_val(region.score_root).shape))
+        read = gradient_read(chain, index, _val(region.captured[index]), _val(region.score_root))
         if isinstance(read, str):
             return read
         reads.append(read)

@@ -66,10 +66,14 @@ def _read_of(placeholder: torch.fx.Node) -> torch.fx.Node:
     return read
 
 
-def gradient_read(chain: torch.fx.GraphModule, index: int, captured: torch.Tensor, score_shape) -> Union[GradientRead, str]:
+def gradient_read(chain: torch.fx.GraphModule, index: int, captured: torch.Tensor, scores: torch.Tensor) -> Union[GradientRead, str]:
     """How the gradient of captured tensor ``index`` comes out of the backward kernel, or why it cannot."""
+    score_shape = tuple(scores.shape)
     if not captured.is_floating_point():
         return f"captured tensor {index} is not floating"
+    if captured.device != scores.device or (captured.dim() == 0 and captured.dtype != scores.dtype):
+        # (Broadcast to the scores, a 0-d tensor of another dtype would change the chain's type promotion.)
+        return f"the gradient of captured tensor {index}: a 0-d tensor of another dtype or device than the scores'"
     read = _read_of(_placeholder(chain, index))
     shape = tuple(captured.shape) if read.op == "placeholder" else tuple(_val(read).shape) if _val(read) is not None else None
     if shape is None or not _broadcasts_to(shape, score_shape):
@@ -90,6 +94,9 @@ def gradient_read(chain: torch.fx.GraphModule, index: int, captured: torch.Tenso
     rows, columns = padded[-2] != 1, padded[-1] != 1
     kind = FULL if rows and columns else ROWS if rows else COLUMNS
     kept = tuple(size != 1 for size in padded[:-2])
+    shared = any(not k and size > 1 for k, size in zip(kept, score_shape[:-2]))
+    if (kind == ROWS or (kind == FULL and shared)) and torch.are_deterministic_algorithms_enabled():
+        return f"the gradient of captured tensor {index} is summed with atomics; deterministic algorithms are requested"
     return GradientRead(index, read.name, shape, kind, kept)
 
 
@@ -129,9 +136,6 @@ def read_vjp_module(chain: torch.fx.GraphModule, read: GradientRead, example_inp
         logits = chain(scores, *captured)
         grad = torch.empty_like(logits, memory_format=torch.contiguous_format)
         traced = make_fx(joint, decomposition_table=select_decomp_table())(scores, *captured, grad)
-    for node in traced.graph.find_nodes(op="placeholder"):
-        node.meta.pop("val", None)
-        node.meta.pop("tensor_meta", None)
     return traced
 
 

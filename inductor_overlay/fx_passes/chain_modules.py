@@ -31,15 +31,24 @@ def _chain_inputs(region: AttentionRegion) -> tuple[torch.fx.Graph, dict]:
     """A new graph whose placeholders are the chain's inputs, (scores, *captured, *captured_sizes), and the map
     from the user's nodes to them (the score root to the scores, times the scale taken off q or k)."""
     graph = torch.fx.Graph()
-    scores = graph.placeholder("scores")
+    scores = _placeholder(graph, "scores", region.score_root)
     env = {region.score_root: scores}
     for index, value in enumerate(region.captured):
-        env[value] = graph.placeholder(f"captured_{index}")
+        env[value] = _placeholder(graph, f"captured_{index}", value)
     for index, value in enumerate(region.captured_sizes):
-        env[value] = graph.placeholder(f"size_{index}")
+        env[value] = _placeholder(graph, f"size_{index}", value)
     if region.operand_scale != 1.0:
         env[region.score_root] = graph.call_function(aten.mul.Tensor, (scores, region.operand_scale))
     return graph, env
+
+
+def _placeholder(graph: torch.fx.Graph, name: str, value: torch.fx.Node) -> torch.fx.Node:
+    """A placeholder with the fake value of the node it stands for: Inductor's joint-graph passes, which also run on
+    the subgraphs of a graph that trains, read the values of a view's input."""
+    node = graph.placeholder(name)
+    if "val" in value.meta:
+        node.meta["val"] = value.meta["val"]
+    return node
 
 
 def _score_chain_module(

@@ -113,7 +113,8 @@ def _captured_grads(reads: list, first_subgraph: int, batch_shape: list) -> tupl
             inner *= size
         grads.append(tuple(dict(
             number=number, index=read["index"], subgraph=first_subgraph + number, kind=read["kind"],
-            atomic=not all(read["kept_batch"]), z_index=" + ".join(terms) or "0",
+            atomic=not all(kept or size == 1 for size, kept in zip(batch_shape, read["kept_batch"])),
+            z_index=" + ".join(terms) or "0",
         ).items()))
     return tuple(grads)
 
