@@ -39,7 +39,7 @@ from inductor_overlay.fx_passes.attention_fusion import TrainingForward, fuse
 from inductor_overlay.fx_passes.attention_region import AttentionRegion, Decline, _looks_like_softmax_input, find_attention
 from inductor_overlay.fx_passes.block_sparsity import is_op as _is
 from inductor_overlay.fx_passes.captured_gradients import gradient_of_read, gradient_read, read_vjp_module
-from inductor_overlay.fx_passes.chain_modules import _score_chain_module
+from inductor_overlay.fx_passes.chain_modules import _score_chain_module, traced_joint
 from inductor_overlay.fx_passes.fx_helpers import _MATMULS, _operand_scale, _val, aten, call_op, prims, subgraph
 from inductor_overlay.fx_passes.sdpa_route import sdpa_call
 from inductor_overlay.fx_passes.sdpa_training import replace_pair_by_sdpa
@@ -214,8 +214,6 @@ def chain_vjp_module(chain: torch.fx.GraphModule, example_inputs: list) -> torch
     """The chain's derivative, ``(scores, *captured, *sizes, grad_logits) -> grad_scores``: autograd's joint graph of
     the chain, traced with Inductor's decompositions (a ``where`` mask passes the gradient where it keeps the score
     and 0 elsewhere; a tanh soft-cap multiplies by 1 - tanh²)."""
-    from torch._inductor.decomposition import select_decomp_table
-    from torch.fx.experimental.proxy_tensor import make_fx
 
     def joint(scores, *rest):
         *inputs, grad_logits = rest
@@ -226,15 +224,7 @@ def chain_vjp_module(chain: torch.fx.GraphModule, example_inputs: list) -> torch
             return torch.zeros_like(scores)
         return grad_scores
 
-    scores, *captured = example_inputs
-    fake_mode = torch._guards.detect_fake_mode([scores])
-    with fake_mode:
-        scores = torch.empty_strided(scores.shape, scores.stride(), dtype=scores.dtype, device=scores.device)
-        logits = chain(scores, *captured)
-        grad = torch.empty_like(logits, memory_format=torch.contiguous_format)
-        scores.requires_grad_(True)
-        traced = make_fx(joint, decomposition_table=select_decomp_table())(scores, *captured, grad)
-    return traced
+    return traced_joint(chain, example_inputs, joint, differentiate_scores=True)
 
 
 def _insert_backward(region: AttentionRegion, matched: RegionBackward, fwd: TrainingForward) -> None:

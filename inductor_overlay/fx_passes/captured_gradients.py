@@ -25,6 +25,7 @@ import torch
 
 from inductor_overlay import ops
 from inductor_overlay.fx_passes.block_sparsity import is_op as _is
+from inductor_overlay.fx_passes.chain_modules import traced_joint
 from inductor_overlay.fx_passes.fx_helpers import _VIEWS, _val, aten, call_op, prims
 
 # How the backward kernel accumulates a read's gradient (module doc).
@@ -118,8 +119,6 @@ class _ReadReplaced(ops._Differentiable):
 def read_vjp_module(chain: torch.fx.GraphModule, read: GradientRead, example_inputs: list) -> torch.fx.GraphModule:
     """``(scores, *captured, *sizes, grad_logits) -> gE``: the gradient, float32 per logit, of the read broadcast to
     the score shape (module doc), from autograd's joint graph of the chain."""
-    from torch._inductor.decomposition import select_decomp_table
-    from torch.fx.experimental.proxy_tensor import make_fx
 
     def joint(scores, *rest):
         *inputs, grad_logits = rest
@@ -131,12 +130,7 @@ def read_vjp_module(chain: torch.fx.GraphModule, read: GradientRead, example_inp
             return torch.zeros(scores.shape, dtype=torch.float32, device=scores.device)
         return grad.to(torch.float32)
 
-    scores, *captured = example_inputs
-    with torch._guards.detect_fake_mode([scores]):
-        logits = chain(scores, *captured)
-        grad = torch.empty_like(logits, memory_format=torch.contiguous_format)
-        traced = make_fx(joint, decomposition_table=select_decomp_table())(scores, *captured, grad)
-    return traced
+    return traced_joint(chain, example_inputs, joint, differentiate_scores=False)
 
 
 def _inline(graph: torch.fx.Graph, module: torch.fx.GraphModule, args: list) -> torch.fx.Node:

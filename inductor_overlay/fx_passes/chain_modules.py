@@ -264,3 +264,18 @@ def _chain_value_module(region: AttentionRegion, value: torch.fx.Node, shape: li
     graph.output(graph.call_function(aten.expand.default, (env[value], shape)))
     graph.eliminate_dead_code()
     return torch.fx.GraphModule(torch.nn.Module(), graph)
+
+
+def traced_joint(chain: torch.fx.GraphModule, example_inputs: list, joint, differentiate_scores: bool) -> torch.fx.GraphModule:
+    """``joint(scores, *captured, *sizes, grad_logits)`` (a derivative of ``chain``) traced with Inductor's
+    decompositions under the graph's fake mode, at fresh scores (requiring grad with ``differentiate_scores``) and an
+    upstream gradient shaped as the chain's logits."""
+    from torch._inductor.decomposition import select_decomp_table
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    scores, *captured = example_inputs
+    with torch._guards.detect_fake_mode([scores]):
+        scores = torch.empty_strided(scores.shape, scores.stride(), dtype=scores.dtype, device=scores.device)
+        grad = torch.empty_like(chain(scores, *captured), memory_format=torch.contiguous_format)
+        scores.requires_grad_(differentiate_scores)
+        return make_fx(joint, decomposition_table=select_decomp_table())(scores, *captured, grad)
