@@ -182,7 +182,6 @@ def _scores(chain: ScoreChain, q, kt) -> torch.Tensor:
 def _probabilities(chain: ScoreChain, q, kt, v, captured, sink, sizes=()) -> torch.Tensor:
     """``[*batch, M, N]`` probabilities as the user's graph computes them (the unfused meaning of the op)."""
     scores = _scores(chain, q, kt)
-    m, n = scores.shape[-2:]
     # The whole chain: with finite speculation, the exact one (the kernel's fast chain is checked against it).
     exact = chain.exact_graph_module is not None
     module = chain.exact_graph_module if exact else chain.graph_module
@@ -192,8 +191,14 @@ def _probabilities(chain: ScoreChain, q, kt, v, captured, sink, sizes=()) -> tor
         logits = logits * folded_scale
     if not chain.softmax:
         return logits.to(chain.probability_dtype)
+    return _softmax(chain, logits, sink)
+
+
+def _softmax(chain: ScoreChain, logits: torch.Tensor, sink) -> torch.Tensor:
+    """The rows' softmax, a sink's logit (when there is one) as one more column that is then dropped."""
     if sink is None:
         return torch.softmax(logits, dim=-1).to(chain.probability_dtype)
+    m, n = logits.shape[-2:]
     sink_logits = sink.expand(*chain.batch_shape, m, 1).to(logits.dtype) * chain.sink_scale
     return torch.softmax(torch.cat([logits, sink_logits], -1), dim=-1)[..., :n].to(chain.probability_dtype)
 
@@ -339,11 +344,13 @@ def wide_row_scale(row_max: torch.Tensor, logit_scale: float) -> torch.Tensor:
     return torch.where((row_max * logit_scale).abs() < WIDE_ROW_LIMIT, logit_scale, tiny)
 
 
-def _row_statistics(chain: ScoreChain, q, kt, captured, sizes=()) -> torch.Tensor:
+def _row_statistics(chain: ScoreChain, q, kt, captured, sizes=(), sink=None) -> torch.Tensor:
     scores = _scores(chain, q, kt)
     z, (m, n) = math.prod(chain.batch_shape), scores.shape[-2:]
     logits = chain.graph_module(scores, *captured, *sizes).float().reshape(z, m, n)
     logit_scale = LOG2E * chain.folded_scale
+    if sink is not None:  # the sink is one more column of each row's softmax, in the chain's logit units
+        logits = torch.cat([logits, sink.float().reshape(z, m, 1) * (chain.sink_scale / chain.folded_scale)], -1)
     if not chain.wide_logits:
         return torch.logsumexp(logits * chain.folded_scale, -1) * LOG2E
     row_max = logits.amax(-1)
@@ -358,17 +365,34 @@ def row_statistics_shape(decisions: dict, m) -> list:
     return [z, 2, m] if decisions["wide_logits"] else [z, m]
 
 
-def online_softmax_attention_with_lse(q, kt, v, captured, score_chain, decisions, output_batch=None, sizes=()):
+def online_softmax_attention_with_lse(q, kt, v, captured, score_chain, decisions, output_batch=None, sizes=(), sink=None):
     """The fused forward of a graph that trains: the output as ``online_softmax_attention``'s, and the rows'
-    statistics that the backward reads (above)."""
+    statistics that the backward reads (above), a sink's column included."""
     chain = chain_from_arguments(score_chain, decisions)
-    out = online_softmax_attention(q, kt, v, captured, None, score_chain, decisions, None, output_batch, sizes)
-    return out, _row_statistics(chain, q, kt, captured, sizes)
+    out = online_softmax_attention(q, kt, v, captured, sink, score_chain, decisions, None, output_batch, sizes)
+    return out, _row_statistics(chain, q, kt, captured, sizes, sink)
+
+
+def sink_gradient(lse, delta, sink, decisions: dict) -> torch.Tensor:
+    """The gradient of each row's sink logit ``[Z, M]`` (float32) from the forward's row statistics (the sink's column
+    included; ``row_statistics_shape``) and ``delta = Σ_Dv grad_out · out``: the sink is a column that meets no V, so
+    its logit's gradient is ``p_sink · (0 − delta)``, with p_sink its probability as the backward kernel computes
+    one (``exp2(logit · LOGIT_SCALE − lse)``, or per row's scale for wide logits)."""
+    sink_scale, folded_scale = decisions["sink_scale"], decisions["folded_scale"]
+    sink = sink.float().reshape(delta.shape)
+    if not decisions["wide_logits"]:
+        probability = torch.exp2(sink * (sink_scale * LOG2E) - lse)
+    else:
+        row_max, row_sum = lse[:, 0], lse[:, 1]
+        known = torch.where(row_max == -math.inf, 0.0, row_max)
+        row_scale = wide_row_scale(known, LOG2E * folded_scale)
+        probability = torch.exp2((sink * (sink_scale / folded_scale) - known) * row_scale) / row_sum
+    return -(probability * delta) * sink_scale
 
 
 def online_softmax_attention_backward(
     q, kt, v, captured, score_chain, decisions, chain_vjp, lse, delta, dense, grad_out, sizes=(), read_vjps=(), gradient_reads=(),
-    unmasked_vjp=None,
+    unmasked_vjp=None, sink=None,
 ):
     """The fused backward: the gradients of ``online_softmax_attention`` at ``grad_out`` ``[Z, M, Dv]`` with respect
     to the operands as the scores and output matmuls read them: ``dq [Z, M, D]``, ``dkt [Z, D, N]``, ``dv [Z, N, Dv]``.
@@ -379,18 +403,20 @@ def online_softmax_attention_backward(
     ``read_vjps`` and ``gradient_reads`` (plain data): for each captured tensor whose gradient is wanted, the
     derivative of its read broadcast to the score shape and how the kernel sums it; one float32 partial each follows
     the three gradients (``fx_passes/captured_gradients.py``). ``unmasked_vjp``: the derivative of the chain without
-    its masks, which the kernel runs on entirely visible tiles."""
+    its masks, which the kernel runs on entirely visible tiles. ``sink``: the sink logits the forward's softmax had
+    (the kernel reads them through ``lse``; their own gradient is ``sink_gradient``'s)."""
     z = math.prod(decisions["batch_shape"])
     m, d, n, dv = q.shape[-2], q.shape[-1], kt.shape[-1], v.shape[-1]
     operands = [t.detach().reshape(shape).requires_grad_() for t, shape in ((q, (z, m, d)), (kt, (z, d, n)), (v, (z, n, dv)))]
     with torch.enable_grad():
-        out = online_softmax_attention(*operands, captured, None, score_chain, decisions, None, None, sizes)
+        out = online_softmax_attention(*operands, captured, sink, score_chain, decisions, None, None, sizes)
         grads = torch.autograd.grad(out, operands, grad_out.reshape(z, m, dv), allow_unused=True)
-    grads = tuple(torch.zeros_like(t) if g is None else g for t, g in zip(operands, grads))
+    dq, dkt, dv = (torch.zeros_like(t) if g is None else g for t, g in zip(operands, grads))
+    grads = (dq, dkt.transpose(1, 2).contiguous().transpose(1, 2), dv)  # dKᵀ laid out as the fake (and kernel) has it
     if not gradient_reads:
         return grads
     chain = chain_from_arguments(score_chain, decisions)
-    scores, grad_logits = _chain_output_gradient(chain, *operands, captured, sizes, grad_out)
+    scores, grad_logits = _chain_output_gradient(chain, *operands, captured, sizes, grad_out, sink)
     partials = [
         _partial(_module(vjp)(scores, *captured, *sizes, grad_logits), read, chain.batch_shape)
         for vjp, read in zip(read_vjps, gradient_reads)
@@ -398,13 +424,13 @@ def online_softmax_attention_backward(
     return (*grads, *partials)
 
 
-def _chain_output_gradient(chain: ScoreChain, q, kt, v, captured, sizes, grad_out) -> tuple:
+def _chain_output_gradient(chain: ScoreChain, q, kt, v, captured, sizes, grad_out, sink=None) -> tuple:
     """The scores and the gradient of the output at ``grad_out`` with respect to the chain's output."""
     scores = _scores(chain, q.detach(), kt.detach())
     with torch.enable_grad():
         chained = chain.graph_module(scores, *captured, *sizes).detach().requires_grad_()
         logits = chained * chain.folded_scale if chain.folded_scale != 1.0 else chained
-        probabilities = torch.softmax(logits, dim=-1).to(chain.probability_dtype)
+        probabilities = _softmax(chain, logits, sink)
         out = _times_values(chain, probabilities, v.detach())
         (grad,) = torch.autograd.grad(out, chained, grad_out.reshape(out.shape))
     return scores, grad
@@ -429,19 +455,21 @@ def _partial(grad_read: torch.Tensor, read: dict, batch_shape) -> torch.Tensor:
     return grad_read.sum(-1).reshape(z, m) if read["kind"] == "rows" else grad_read.sum(-2).reshape(z, n)
 
 
-def online_softmax_attention_with_lse_fake(q, kt, v, captured, score_chain, decisions, output_batch=None, sizes=()):
+def online_softmax_attention_with_lse_fake(q, kt, v, captured, score_chain, decisions, output_batch=None, sizes=(), sink=None):
     out = online_softmax_attention_fake(q, kt, v, captured, None, score_chain, decisions, None, output_batch, sizes)
     return out, q.new_empty(row_statistics_shape(decisions, q.shape[-2]), dtype=torch.float32)
 
 
 def online_softmax_attention_backward_fake(
     q, kt, v, captured, score_chain, decisions, chain_vjp, lse, delta, dense, grad_out, sizes=(), read_vjps=(), gradient_reads=(),
-    unmasked_vjp=None,
+    unmasked_vjp=None, sink=None,
 ):
     z = math.prod(decisions["batch_shape"])
     m, d, n, dv = q.shape[-2], q.shape[-1], kt.shape[-1], v.shape[-1]
     partials = [q.new_empty(partial_shape(read, decisions["batch_shape"], m, n), dtype=torch.float32) for read in gradient_reads]
-    return (q.new_empty(z, m, d), kt.new_empty(z, d, n), v.new_empty(z, n, dv), *partials)
+    # dKᵀ as the kernel writes it: the transpose of a contiguous dK (``attention_backward``).
+    dkt = kt.new_empty(z, n, d).transpose(1, 2)
+    return (q.new_empty(z, m, d), dkt, v.new_empty(z, n, dv), *partials)
 
 
 FAKE_IMPLS[online_softmax_attention_with_lse] = online_softmax_attention_with_lse_fake

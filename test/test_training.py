@@ -15,7 +15,7 @@ import pytest
 import torch
 from torch.testing import FileCheck
 
-from benchmarks import variants
+from benchmarks import programs, variants
 from flashlight import testing
 from inductor_overlay import config
 from inductor_overlay.fx_passes import attention_training
@@ -312,6 +312,41 @@ def test_a_bias_gradient_in_fully_masked_rows_is_eagers():
     assert (grads[3][:, :3] == 0).all()
     assert_matches_eager(masked_rows_with_bias, operands, {}, out, grads, grad)
     assert counters["inductor"]["flashlight_attention_fused_for_training"] == 1
+
+
+def _sinks_with_masked_rows(q, k, v, sinks):
+    """gpt-oss's sinks in bf16-style code (a float32 softmax over the concatenated logits), where the first rows
+    see no key at all: their sink takes the whole row (output 0, no NaN)."""
+    b, h, m, _ = q.shape
+    scores = q @ k.transpose(-1, -2) / 4.0
+    rows = torch.arange(m, device=q.device)
+    scores = scores.masked_fill((rows < 3)[:, None] | (rows[None, :] > rows[:, None]), float("-inf"))
+    combined = torch.cat([scores, sinks.reshape(1, h, 1, 1).expand(b, h, m, 1)], dim=-1)
+    return torch.softmax(combined.float(), dim=-1)[..., :-1].to(v.dtype) @ v
+
+
+@pytest.mark.parametrize("fn", [programs.attention_sinks, programs.attention_sinks_max_subtracted, _sinks_with_masked_rows])
+def test_attention_sinks_train_fused_with_the_sinks_gradient(fn):
+    """Learned sink logits (gpt-oss): the fused forward keeps the sink's column in the rows' statistics, the
+    backward kernel is the plain one, and the sinks' gradient is -p_sink · delta per row, summed by the graph; q, k,
+    v and the sinks' gradients match float64 eager (also the Hugging Face form, which shifts the logits by their row
+    max first, and rows that only the sink sees)."""
+    inputs = programs.sinks_inputs(B=2, H=3, S=40, D=16, generator=torch.Generator().manual_seed(5))
+    operands = [inputs[name].requires_grad_() for name in ("q", "k", "v", "sinks")]
+    out, grads, grad, code = train_on_cpu(fn, operands, {})
+    assert_matches_eager(fn, operands, {}, out, grads, grad)
+    assert not out.isnan().any()
+    assert_fused_training(code, 2 * 3 * 40 * 40)
+    assert "sink_base = SINK" in "".join(testing.triton_kernels(code).values())
+
+
+def test_sinks_train_in_half_precision_and_pass_the_gpu_front_end():
+    inputs = programs.sinks_inputs(B=1, H=2, S=40, D=16, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(6))
+    operands = [inputs[name].requires_grad_() for name in ("q", "k", "v", "sinks")]
+    out, grads, grad, code = train_on_cpu(_sinks_with_masked_rows, operands, {})
+    assert_matches_eager(_sinks_with_masked_rows, operands, {}, out, grads, grad)
+    assert_fused_training(code, 2 * 40 * 40)
+    testing.check_gpu_front_end(code)
 
 
 def test_a_fault_in_the_fused_backward_leaves_upstreams_and_stays_correct(monkeypatch):

@@ -1,4 +1,5 @@
-"""Run as `PYTHONPATH=. python tools/gpu_training.py [--variants=a,b] [--shapes=BxHxSxD,...] [--check-only] [--learned]`.
+"""Run as `PYTHONPATH=. python tools/gpu_training.py [--variants=a,b] [--shapes=BxHxSxD,...] [--check-only] [--learned]
+[--programs=a,b]`.
 
 Training on the GPU: forward + backward of each variant's first idiom, inputs requiring grad.
 
@@ -11,6 +12,9 @@ Training on the GPU: forward + backward of each variant's first idiom, inputs re
 
 With ``--learned`` the variant's floating tensors (ALiBi's slopes, a per-head bias) require grad too: their
 gradients are checked and computed in every timed step (FlexAttention's as its captured buffers' gradients).
+
+With ``--programs`` the named programs of ``benchmarks/programs.py`` (every floating input requiring grad) are
+checked at their CPU size and timed at their GPU sizes against default ``torch.compile`` instead.
 """
 
 from __future__ import annotations
@@ -48,7 +52,7 @@ def _learned(extras) -> list:
 
 
 def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.double() - b).norm() / b.norm())
+    return float((a.detach().double() - b.detach()).norm() / b.detach().norm())
 
 
 def check(variant) -> str:
@@ -129,7 +133,8 @@ def bench(variant, shape) -> list[str]:
 
 SWEEP_TILES = {
     64: ["32,128,128,32,4,3", "32,128,128,32,4,5", "64,64,64,64,4,3", "64,128,128,64,8,3", "32,64,64,32,4,3"],
-    128: ["64,64,64,64,4,2", "32,128,128,32,8,2", "64,128,128,64,8,2", "32,64,64,32,4,3", "64,64,64,64,8,2"],
+    128: ["64,64,64,64,4,2", "64,128,128,64,8,3", "64,128,128,64,8,2", "64,64,64,64,8,3", "32,128,128,32,8,2",
+          "64,64,64,64,4,3"],
 }
 
 
@@ -150,7 +155,48 @@ def sweep(variant, shape) -> list[str]:
     return rows
 
 
+def program_rows(program) -> list[str]:
+    """One program of ``benchmarks/programs.py`` in training: gradients against float64 eager at its CPU size, then
+    forward + backward time and peak memory, the overlay against default compile, at each GPU size."""
+    def learned(size, dtype):
+        inputs = program.inputs(**size, device="cuda", dtype=dtype, generator=torch.Generator().manual_seed(0))
+        return {n: t.requires_grad_() if t.is_floating_point() else t for n, t in inputs.items()}
+
+    inputs = learned(program.cpu_size, torch.bfloat16)
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    out = torch.compile(program.fn, dynamic=False)(**inputs)
+    grad = torch.randn_like(out)
+    out.backward(grad)
+    fused = torch._dynamo.utils.counters["inductor"]["flashlight_attention_fused_for_training"]
+    wide = {n: t.detach().double().requires_grad_() if t.is_floating_point() else t for n, t in inputs.items()}
+    program.fn(**wide).backward(grad.double())
+    errors = {n: _relative(t.grad, wide[n].grad) for n, t in inputs.items() if t.requires_grad}
+    rows = [f"{program.name} bf16 check fused={fused} errors " + " ".join(f"{n} {e:.1e}" for n, e in errors.items())]
+    for size in program.gpu_sizes:
+        inputs = learned(size, torch.bfloat16)
+        times = {}
+        rows.append(f"{program.name} {size} bf16 forward+backward")
+        for impl in ("flashlight", "compile"):
+            torch._dynamo.reset()
+            with flashlight.enabled(impl == "flashlight"):
+                ms, peak = step_time(torch.compile(program.fn, dynamic=False), [], inputs)
+            times[impl] = ms
+            rows.append(f"  {impl:10} {ms:8.3f} ms  peak {peak:8.1f} MiB")
+            torch.cuda.empty_cache()
+        rows.append(f"  compile/ours {times['compile'] / times['flashlight']:.2f}x")
+    return rows
+
+
 def main() -> None:
+    if _arg("programs", ""):
+        from benchmarks.programs import PROGRAMS
+
+        print(f"{torch.cuda.get_device_name()} torch {torch.__version__} triton {triton.__version__} {datetime.date.today()}")
+        for name in _arg("programs", "").split(","):
+            for row in program_rows(PROGRAMS[name]):
+                print(row, flush=True)
+        return
     names = _arg("variants", DEFAULT_VARIANTS).split(",")
     shapes = [parse_shape(s) for s in _arg("shapes", DEFAULT_SHAPES).split(",")]
     print(f"{torch.cuda.get_device_name()} torch {torch.__version__} triton {triton.__version__} {datetime.date.today()}")

@@ -244,6 +244,7 @@ class TrainingForward:
     subgraphs: dict  # the chain's subgraphs (get_attr nodes), by ScoreChain field
     decisions: dict
     chain: ScoreChain
+    sink: Optional[torch.fx.Node]  # the sink logits broadcast to [*batch, M, 1], when the softmax has a sink
 
 
 def fuse(
@@ -355,9 +356,9 @@ def fuse(
         inputs = (q, kt, v, list(region.captured), sink, _subgraphs(graph, subgraphs), decisions)
         sizes = list(region.captured_sizes)
         if training:
-            assert region.pair is None and region.sink is None and group_coefficients is None
+            assert region.pair is None and group_coefficients is None
             op = ops.online_softmax_attention_with_lse
-            both = call_op(graph, op, (q, kt, v, list(region.captured), inputs[5], decisions, output_batch, sizes))
+            both = call_op(graph, op, (q, kt, v, list(region.captured), inputs[5], decisions, output_batch, sizes, sink))
             fused, lse = (call_op(graph, operator.getitem, (both, i)) for i in (0, 1))
         elif region.pair is None:
             op = ops.online_softmax_attention
@@ -375,7 +376,7 @@ def fuse(
     _reroute_size_reads(region)
     region.pv.replace_all_uses_with(result)
     if training:
-        return TrainingForward(result, lse, (q, kt, v), list(region.captured), inputs[5], decisions, chain)
+        return TrainingForward(result, lse, (q, kt, v), list(region.captured), inputs[5], decisions, chain, sink)
     return result
 
 

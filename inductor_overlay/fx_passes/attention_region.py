@@ -213,9 +213,10 @@ def _strip_dropped_last_column(p: torch.fx.Node) -> tuple[torch.fx.Node, list[to
     return p, []
 
 
-def _strip_row_shift(logits: torch.fx.Node) -> tuple[torch.fx.Node, list[torch.fx.Node]]:
+def _strip_row_shift(logits: torch.fx.Node, dead: frozenset = frozenset()) -> tuple[torch.fx.Node, list[torch.fx.Node]]:
     """``x - max_N x`` written by the user before a softmax: a softmax is invariant to a shift constant along N,
-    so the logits are ``x`` (a fully -inf row is NaN either way)."""
+    so the logits are ``x`` (a fully -inf row is NaN either way). ``max`` also gives the positions of the maxima;
+    in training only the shift's own backward (in ``dead``) reads them."""
     if not _is(logits, aten.sub.Tensor) or not isinstance(logits.args[1], torch.fx.Node):
         return logits, []
     x, shift = logits.args
@@ -227,8 +228,9 @@ def _strip_row_shift(logits: torch.fx.Node) -> tuple[torch.fx.Node, list[torch.f
         row_max = shift.args[0]
         dim, keepdim = (list(row_max.args[1:]) + [False])[:2]
         rank = _val(x).dim()
-        if row_max.args[0] is x and keepdim and dim % rank == rank - 1 and len(row_max.users) == 1:
-            return x, [row_max, shift, logits]
+        positions_unused = all(u is shift or all(r in dead for r in u.users) for u in row_max.users)
+        if row_max.args[0] is x and keepdim and dim % rank == rank - 1 and positions_unused:
+            return x, [row_max, shift, logits, *(u for u in row_max.users if u is not shift)]
     return logits, []
 
 
@@ -333,7 +335,7 @@ def find_attention(pv: torch.fx.Node, dead: frozenset = frozenset()) -> Union[De
     else:
         logits, softmax_nodes, logit_scale = matched
         upcast = [logits] if _is(logits, prims.convert_element_type.default) else []
-        unshifted, shift_nodes = _strip_row_shift(upcast[0].args[0] if upcast else logits)
+        unshifted, shift_nodes = _strip_row_shift(upcast[0].args[0] if upcast else logits, dead)
         if shift_nodes:  # the kernel's softmax runs in float32 whatever the logits' dtype
             logits, softmax_nodes = unshifted, softmax_nodes + upcast + shift_nodes
         softmax = True
@@ -428,6 +430,9 @@ def find_attention(pv: torch.fx.Node, dead: frozenset = frozenset()) -> Union[De
 def _looks_like_softmax_input(pv: torch.fx.Node) -> bool:
     """Only report declines for matmuls fed by a softmax-like op, not for every matmul in a model."""
     p, _ = _strip_order_preserving(pv.args[0], also=(prims.convert_element_type.default,))
+    p, dropped_column = _strip_dropped_last_column(p)  # a sink's column
+    if dropped_column:
+        p, _ = _strip_order_preserving(p, also=(prims.convert_element_type.default,))
     return _is(p, aten.exp.default) or (_is(p, aten.div.Tensor) and _is(p.args[0], aten.exp.default))
 
 

@@ -11,16 +11,18 @@ own:
 2. the region's values are used only by the region and R_bwd (nothing else needs the probabilities);
 3. R_bwd reads exactly one gradient, shaped as the region's output: the gradient of its output;
 4. every value R_bwd hands to the rest of the graph is the gradient of one of the operands of the two matmuls
-   (q, kᵀ, v) or of a floating tensor the chain reads: it is read only by the backward of that tensor's producer
-   (the producer's seq_nr), or it is the graph's output for an input's gradient.
+   (q, kᵀ, v), of a floating tensor the chain reads or of the sink logits: it is read only by the backward of that
+   tensor's producer (the producer's seq_nr), or it is the graph's output for an input's gradient.
 
 The region then becomes ``online_softmax_attention_with_lse`` (the forward, which also saves the rows'
 log-sum-exp) and R_bwd ``online_softmax_attention_backward``; the chain's derivative is the joint graph of the
 chain itself (``chain_vjp_module``), traced by autograd as the user's program was; the gradient of a tensor the
-chain reads (a learned bias, slopes) comes from the same kernel by the rule of ``captured_gradients``. Attention
-that the SDPA route takes in inference (plain causal, on CUDA) takes SDPA's forward and backward kernels instead
-(``sdpa_training``). A region outside the rule (a sink, a pair reduction, a bias read through a gather, a dynamic
-shape) is left to upstream, with the reason in the log (``TORCH_LOGS=flashlight``).
+chain reads (a learned bias, slopes) comes from the same kernel by the rule of ``captured_gradients``. A sink's
+column is in the rows' statistics; it meets no V, so its logits' gradient, ``-p_sink · delta`` per row, is a few
+pointwise ops on the statistics (``ops.sink_gradient``). Attention that the SDPA route takes in inference (plain
+causal, on CUDA) takes SDPA's forward and backward kernels instead (``sdpa_training``). A region outside the rule (a
+pair reduction, a bias read through a gather, a dynamic shape) is left to upstream, with the reason in the log
+(``TORCH_LOGS=flashlight``).
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ from inductor_overlay.fx_passes.attention_region import AttentionRegion, Decline
 from inductor_overlay.fx_passes.block_sparsity import is_op as _is
 from inductor_overlay.fx_passes.captured_gradients import gradient_of_read, gradient_read, read_vjp_module
 from inductor_overlay.fx_passes.chain_modules import _score_chain_module, traced_joint
-from inductor_overlay.fx_passes.fx_helpers import _MATMULS, _operand_scale, _val, aten, call_op, prims, subgraph
+from inductor_overlay.fx_passes.fx_helpers import _MATMULS, _operand_scale, _val, aten, call_op, call_traced, prims, subgraph
 from inductor_overlay.fx_passes.sdpa_route import sdpa_call
 from inductor_overlay.fx_passes.sdpa_training import replace_pair_by_sdpa
 
@@ -66,7 +68,7 @@ def trains(graph: torch.fx.Graph) -> bool:
 class RegionBackward:
     nodes: set  # R_bwd
     grad_out: torch.fx.Node  # the gradient of the region's output
-    grads: dict  # R_bwd's output node -> index of the operand (0 q, 1 kt, 2 v, 3 + j captured tensor j) it is the gradient of
+    grads: dict  # R_bwd's output node -> index of what it is the gradient of (``_differentiable``)
 
 
 def _operands(region: AttentionRegion) -> list[torch.fx.Node]:
@@ -74,9 +76,14 @@ def _operands(region: AttentionRegion) -> list[torch.fx.Node]:
 
 
 def _differentiable(region: AttentionRegion) -> list[Optional[torch.fx.Node]]:
-    """The operands, then each captured tensor (None for one that is not floating): what a gradient may be of."""
+    """What a gradient may be of: the operands (0 q, 1 kt, 2 v), each captured tensor (3 + j; None for one that is
+    not floating), then the sink logits (``_sink_index``; None without a sink)."""
     floating = [c if _val(c) is not None and _val(c).is_floating_point() else None for c in region.captured]
-    return [*_operands(region), *floating]
+    return [*_operands(region), *floating, region.sink]
+
+
+def _sink_index(region: AttentionRegion) -> int:
+    return 3 + len(region.captured)
 
 
 def _gradient_slot(operand: torch.fx.Node, output: torch.fx.Node) -> Optional[int]:
@@ -200,8 +207,8 @@ def _match_backward(region: AttentionRegion, with_chain: bool) -> Union[Decline,
 
 
 def _declines_training(region: AttentionRegion) -> Optional[str]:
-    if not region.softmax or region.sink is not None or region.pair is not None:
-        return "only a softmax over the columns alone trains fused (no sink, no pair reduction, no sigmoid)"
+    if not region.softmax or region.pair is not None:
+        return "only a softmax over the columns (and a sink) trains fused (no pair reduction, no sigmoid)"
     shapes = [_val(region.score_root).shape, *(_val(op).shape for op in _operands(region))]
     if not all(isinstance(size, int) for shape in shapes for size in shape) or region.captured_sizes:
         return "a dynamic shape"
@@ -261,9 +268,11 @@ def _insert_backward(region: AttentionRegion, matched: RegionBackward, fwd: Trai
         )
         both = call_op(graph, ops.online_softmax_attention_backward, (
             q, kt, v, fwd.captured, fwd.subgraphs, fwd.decisions, vjp_node, fwd.lse, delta, dense, grad_out,
-            list(region.captured_sizes), read_vjps, [read.as_data() for read in reads], unmasked_vjp,
+            list(region.captured_sizes), read_vjps, [read.as_data() for read in reads], unmasked_vjp, fwd.sink,
         ))
         grads = {i: call_op(graph, operator.getitem, (both, i)) for i in range(3)}
+        if _sink_index(region) in matched.grads.values():
+            grads[_sink_index(region)] = _sink_gradient(region, fwd, delta)
         for number, read in enumerate(reads):
             partial = call_op(graph, operator.getitem, (both, 3 + number))
             captured = region.captured[read.index]
@@ -271,10 +280,21 @@ def _insert_backward(region: AttentionRegion, matched: RegionBackward, fwd: Trai
         _hand_out(region, matched, grads)
 
 
+def _sink_gradient(region: AttentionRegion, fwd: TrainingForward, delta: torch.fx.Node) -> torch.fx.Node:
+    """The sink logits' gradient, shaped and typed as the sink node cat read (``ops.sink_gradient``)."""
+    sink = _val(region.sink)
+    decisions = fwd.decisions
+
+    def formula(lse, delta, sink_logits):
+        return ops.sink_gradient(lse, delta, sink_logits, decisions).reshape(sink.shape).to(sink.dtype)
+
+    return call_traced(region.pv.graph, formula, [fwd.lse, delta, fwd.sink])
+
+
 def _gradient_reads(region: AttentionRegion, matched: RegionBackward, chain: torch.fx.GraphModule) -> Union[list, str]:
     """How the kernel gives the gradient of each captured tensor R_bwd hands one out for, or why it cannot."""
     reads = []
-    for index in sorted(i - 3 for i in matched.grads.values() if i >= 3):
+    for index in sorted(i - 3 for i in matched.grads.values() if 3 <= i < _sink_index(region)):
         read = gradient_read(chain, index, _val(region.captured[index]), _val(region.score_root))
         if isinstance(read, str):
             return read

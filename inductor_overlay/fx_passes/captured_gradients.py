@@ -19,14 +19,14 @@ declines, with the reason in the log.
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional, Union
+from typing import Union
 
 import torch
 
 from inductor_overlay import ops
 from inductor_overlay.fx_passes.block_sparsity import is_op as _is
 from inductor_overlay.fx_passes.chain_modules import traced_joint
-from inductor_overlay.fx_passes.fx_helpers import _VIEWS, _val, aten, call_op, prims
+from inductor_overlay.fx_passes.fx_helpers import _VIEWS, _val, aten, call_op, inline, prims
 
 # How the backward kernel accumulates a read's gradient (module doc).
 FULL, ROWS, COLUMNS = "full", "rows", "columns"
@@ -133,16 +133,6 @@ def read_vjp_module(chain: torch.fx.GraphModule, read: GradientRead, example_inp
     return traced_joint(chain, example_inputs, joint, differentiate_scores=False)
 
 
-def _inline(graph: torch.fx.Graph, module: torch.fx.GraphModule, args: list) -> torch.fx.Node:
-    env = dict(zip(module.graph.find_nodes(op="placeholder"), args))
-    for node in module.graph.nodes:
-        if node.op == "call_function":
-            env[node] = call_op(graph, node.target, *torch.fx.node.map_arg((node.args, node.kwargs), env.__getitem__))
-        elif node.op == "output":
-            return torch.fx.node.map_arg(node.args[0], env.__getitem__)
-    raise AssertionError("a module without output")
-
-
 def _views_back(chain: torch.fx.GraphModule, read: GradientRead, captured: torch.Tensor) -> torch.fx.GraphModule:
     """``(c, grad_read) -> grad_c``: the views from the captured tensor to its read, differentiated."""
     from torch.fx.experimental.proxy_tensor import make_fx
@@ -186,4 +176,4 @@ def gradient_of_read(
     grad = call_op(graph, prims.convert_element_type.default, (grad, value.dtype))
     if read.node == _placeholder(chain, read.index).name:
         return grad
-    return _inline(graph, _views_back(chain, read, value), [captured, grad])
+    return inline(graph, _views_back(chain, read, value), [captured, grad])

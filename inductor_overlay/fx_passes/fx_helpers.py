@@ -172,6 +172,31 @@ def call_op(graph: torch.fx.Graph, target: Any, args: tuple, kwargs: Optional[di
     return node
 
 
+def call_traced(graph: torch.fx.Graph, fn: Any, args: list) -> torch.fx.Node:
+    """``fn(*args)`` as the graph's own aten nodes: traced with Inductor's decompositions under the graph's fake
+    mode, then each op added by ``call_op`` (a formula a pass writes once in torch, not node by node)."""
+    from torch._inductor.decomposition import select_decomp_table
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    values = [arg.meta["val"] for arg in args]
+    with torch._guards.detect_fake_mode(values):
+        traced = make_fx(fn, decomposition_table=select_decomp_table())(*values)
+    return inline(graph, traced, args)
+
+
+def inline(graph: torch.fx.Graph, module: torch.fx.GraphModule, args: list) -> torch.fx.Node:
+    """``module``'s ops (calls only) added to ``graph`` by ``call_op``, its placeholders standing for ``args``."""
+    env = dict(zip(module.graph.find_nodes(op="placeholder"), args))
+    for node in module.graph.nodes:
+        if node.op == "call_function":
+            env[node] = call_op(graph, node.target, *torch.fx.node.map_arg((node.args, node.kwargs), env.__getitem__))
+        elif node.op == "output":
+            return torch.fx.node.map_arg(node.args[0], env.__getitem__)
+        elif node.op != "placeholder":
+            raise RuntimeError(f"an inlined module holds a {node.op} node")
+    raise RuntimeError("an inlined module without output")
+
+
 def subgraph(graph: torch.fx.Graph, module: torch.fx.GraphModule, stem: str) -> torch.fx.Node:
     """``module`` as a subgraph of the graph's own module: a get_attr node (``score_chain_0``, ...)."""
     owner = graph.owning_module

@@ -148,8 +148,9 @@ def _partial_buffer(read: dict, batch_shape: list, m, n, device: torch.device):
 @register_lowering(fused_ops.online_softmax_attention_backward, type_promotion_kind=None)
 def online_softmax_attention_backward_lowering(
     q, kt, v, captured, score_chain, decisions, chain_vjp, lse, delta, dense, grad_out, sizes=(), read_vjps=(),
-    gradient_reads=(), unmasked_vjp=None,
+    gradient_reads=(), unmasked_vjp=None, sink=None,
 ):
+    # (A sink needs nothing here: its column is in the forward's row statistics, and it meets no V.)
     chain = fused_ops.chain_from_arguments(score_chain, decisions)
     device, captured, (m, d, n, dv), batch_shape, z, score_size = score_problem(q, kt, v, captured, chain)
     chain_inputs = [*captured, *(_size_for_chain(size, score_size) for size in sizes)]
@@ -206,7 +207,8 @@ def online_softmax_attention_backward_lowering(
     ranks = tuple(len(t.get_size()) - 2 for t in operands)
     operands += [ir.ExternKernel.realize_input(t) for t in (lse, delta, dense, grad_out)]
     d, dv = V.graph.sizevars.guard_int(d), V.graph.sizevars.guard_int(dv)
-    dkt = empty_strided([z, d, n], None, dtype=kt.get_dtype(), device=device)
+    # dKᵀ is written as the transpose of a contiguous dK: the user's k is [..., N, D], so its gradient needs no copy.
+    dkt = empty_strided([z, d, n], [d * n, 1, d], dtype=kt.get_dtype(), device=device)
     dv_out = empty_strided([z, n, dv], None, dtype=v.get_dtype(), device=device)
     partials = [_partial_buffer(read, batch_shape, m, n, device) for read in gradient_reads]
     operands += [dkt, dv_out, *partials]

@@ -521,9 +521,9 @@ def online_softmax_attention_lowering(q, kt, v, captured, sink, score_chain, dec
 
 
 @register_lowering(fused_ops.online_softmax_attention_with_lse, type_promotion_kind=None)
-def online_softmax_attention_with_lse_lowering(q, kt, v, captured, score_chain, decisions, output_batch=None, sizes=()):
+def online_softmax_attention_with_lse_lowering(q, kt, v, captured, score_chain, decisions, output_batch=None, sizes=(), sink=None):
     chain = fused_ops.chain_from_arguments(score_chain, decisions)
-    return _lower_attention(q, kt, v, captured, None, chain, output_batch=output_batch, sizes=sizes, stores_lse=True)
+    return _lower_attention(q, kt, v, captured, sink, chain, output_batch=output_batch, sizes=sizes, stores_lse=True)
 
 
 @register_lowering(fused_ops.online_softmax_attention_with_pair_sum, type_promotion_kind=None)
