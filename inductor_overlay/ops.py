@@ -189,13 +189,14 @@ def _probabilities(chain: ScoreChain, q, kt, v, captured, sink, sizes=()) -> tor
     logits = run_differentiably(module, scores, *captured, *sizes) if torch.is_grad_enabled() else module(scores, *captured, *sizes)
     if folded_scale != 1.0:  # the factor the pass took out of the chain (the kernel applies it with log2(e))
         logits = logits * folded_scale
-    if not chain.softmax:
-        return logits.to(chain.probability_dtype)
     return _softmax(chain, logits, sink)
 
 
 def _softmax(chain: ScoreChain, logits: torch.Tensor, sink) -> torch.Tensor:
-    """The rows' softmax, a sink's logit (when there is one) as one more column that is then dropped."""
+    """The rows' softmax, a sink's logit (when there is one) as one more column that is then dropped; the logits
+    themselves for a chain with no softmax."""
+    if not chain.softmax:
+        return logits.to(chain.probability_dtype)
     if sink is None:
         return torch.softmax(logits, dim=-1).to(chain.probability_dtype)
     m, n = logits.shape[-2:]
@@ -390,6 +391,19 @@ def sink_gradient(lse, delta, sink, decisions: dict) -> torch.Tensor:
     return -(probability * delta) * sink_scale
 
 
+def writes_dk_contiguous(kt_strides) -> bool:
+    """Whether the backward writes dKᵀ as the transpose of a contiguous dK: where kᵀ is a transposed k (its D dim
+    contiguous), as attention's is, so that k's gradient needs no copy; else dKᵀ is contiguous itself ((A·B)·C's B)."""
+    return kt_strides[-2] == 1 and kt_strides[-1] != 1
+
+
+def dkt_in_layout(dkt: torch.Tensor, kt_strides) -> torch.Tensor:
+    """``dkt`` ``[Z, D, N]`` in the layout the backward kernel writes (``writes_dk_contiguous``)."""
+    if writes_dk_contiguous(kt_strides):
+        return dkt.transpose(1, 2).contiguous().transpose(1, 2)
+    return dkt.contiguous()
+
+
 def online_softmax_attention_backward(
     q, kt, v, captured, score_chain, decisions, chain_vjp, lse, delta, dense, grad_out, sizes=(), read_vjps=(), gradient_reads=(),
     unmasked_vjp=None, sink=None,
@@ -412,7 +426,7 @@ def online_softmax_attention_backward(
         out = online_softmax_attention(*operands, captured, sink, score_chain, decisions, None, None, sizes)
         grads = torch.autograd.grad(out, operands, grad_out.reshape(z, m, dv), allow_unused=True)
     dq, dkt, dv = (torch.zeros_like(t) if g is None else g for t, g in zip(operands, grads))
-    grads = (dq, dkt.transpose(1, 2).contiguous().transpose(1, 2), dv)  # dKᵀ laid out as the fake (and kernel) has it
+    grads = (dq, dkt_in_layout(dkt, kt.stride()), dv)
     if not gradient_reads:
         return grads
     chain = chain_from_arguments(score_chain, decisions)
@@ -467,8 +481,7 @@ def online_softmax_attention_backward_fake(
     z = math.prod(decisions["batch_shape"])
     m, d, n, dv = q.shape[-2], q.shape[-1], kt.shape[-1], v.shape[-1]
     partials = [q.new_empty(partial_shape(read, decisions["batch_shape"], m, n), dtype=torch.float32) for read in gradient_reads]
-    # dKᵀ as the kernel writes it: the transpose of a contiguous dK (``attention_backward``).
-    dkt = kt.new_empty(z, n, d).transpose(1, 2)
+    dkt = dkt_in_layout(kt.new_empty(z, d, n), kt.stride())
     return (q.new_empty(z, m, d), dkt, v.new_empty(z, n, dv), *partials)
 
 

@@ -314,6 +314,14 @@ def test_a_bias_gradient_in_fully_masked_rows_is_eagers():
     assert counters["inductor"]["flashlight_attention_fused_for_training"] == 1
 
 
+def _causal_sigmoid_attention(q, k, v):
+    """Sigmoid attention with a causal mask: sigmoid(-inf) = 0 weighs the masked keys out."""
+    m, n = q.shape[-2], k.shape[-2]
+    s = q @ k.transpose(-1, -2) * q.shape[-1] ** -0.5 - math.log(n)
+    s = s.masked_fill(torch.ones(m, n, dtype=torch.bool).triu(1), float("-inf"))
+    return torch.sigmoid(s) @ v
+
+
 def _sinks_with_masked_rows(q, k, v, sinks):
     """gpt-oss's sinks in bf16-style code (a float32 softmax over the concatenated logits), where the first rows
     see no key at all: their sink takes the whole row (output 0, no NaN)."""
@@ -340,13 +348,46 @@ def test_attention_sinks_train_fused_with_the_sinks_gradient(fn):
     assert "sink_base = SINK" in "".join(testing.triton_kernels(code).values())
 
 
-def test_sinks_train_in_half_precision_and_pass_the_gpu_front_end():
-    inputs = programs.sinks_inputs(B=1, H=2, S=40, D=16, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(6))
-    operands = [inputs[name].requires_grad_() for name in ("q", "k", "v", "sinks")]
-    out, grads, grad, code = train_on_cpu(_sinks_with_masked_rows, operands, {})
-    assert_matches_eager(_sinks_with_masked_rows, operands, {}, out, grads, grad)
-    assert_fused_training(code, 2 * 40 * 40)
+@pytest.mark.parametrize("fn,make_inputs", [
+    (_sinks_with_masked_rows, programs.sinks_inputs), (_causal_sigmoid_attention, programs.qkv_inputs),
+])
+def test_sinks_and_sigmoid_train_in_half_precision_and_pass_the_gpu_front_end(fn, make_inputs):
+    inputs = make_inputs(B=1, H=2, S=40, D=16, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(6))
+    operands = [t.requires_grad_() for t in inputs.values()]
+    out, grads, grad, code = train_on_cpu(fn, operands, {})
+    assert_matches_eager(fn, operands, {}, out, grads, grad)
+    assert counters["inductor"]["flashlight_attention_fused_for_training"] == 1
     testing.check_gpu_front_end(code)
+
+
+NO_SOFTMAX = {
+    "sigmoid_attention": (programs.sigmoid_attention, programs.qkv_inputs, dict(B=2, H=3, S=40, D=16)),
+    "causal_sigmoid_attention": (_causal_sigmoid_attention, programs.qkv_inputs, dict(B=2, H=3, S=40, D=16)),
+    "chained_matmul": (programs.chained_matmul, programs.chain_inputs, dict(M=48, K=24, N=72, P=40)),
+}
+
+
+@pytest.mark.parametrize("name", list(NO_SOFTMAX))
+def test_weights_without_a_softmax_train_fused(name):
+    """Sigmoid attention and (A·B)·C: the weights are the chain's output itself, so the forward saves no row
+    statistics and the backward's gradient of the logits is dO Vᵀ (no softmax Jacobian, no delta); every gradient
+    matches float64 eager and nothing of the M×N product's size is allocated."""
+    fn, make_inputs, size = NO_SOFTMAX[name]
+    inputs = make_inputs(**size, generator=torch.Generator().manual_seed(7))
+    operands = [t.requires_grad_() for t in inputs.values()]
+    out, grads, grad, code = train_on_cpu(fn, operands, {})
+    assert_matches_eager(fn, operands, {}, out, grads, grad)
+    kernels = testing.triton_kernels(code)
+    (backward,) = [text for text in kernels.values() if "grad_scores" in text]
+    FileCheck().check("for start_m in range(").check("p = logits.to(tl.float32)").check("grad_logits = dp").check(
+        "dk = tl.dot(grad_scores"
+    ).check("else:").check("grad_logits = dp").check("dq = tl.dot(grad_scores").run(backward)
+    assert "LSE" not in backward and "delta" not in backward
+    testing.check_kernels(code, extern_calls=0)
+    m, n = out.shape[-2], operands[1].shape[-1] if name == "chained_matmul" else operands[1].shape[-2]
+    assert max(testing.allocated_buffer_numels(code)) < math.prod(out.shape[:-2]) * m * n
+    assert counters["inductor"]["flashlight_attention_fused_for_training"] == 1
+    assert counters["inductor"]["flashlight_fault_fallback"] == 0
 
 
 def test_a_fault_in_the_fused_backward_leaves_upstreams_and_stays_correct(monkeypatch):

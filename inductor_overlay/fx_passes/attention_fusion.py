@@ -238,7 +238,7 @@ class TrainingForward:
     """What ``fuse(..., training=True)`` inserted, which the fused backward reads too."""
 
     result: torch.fx.Node  # the node that now stands for ``region.pv``
-    lse: torch.fx.Node  # the rows' statistics (``ops.online_softmax_attention_with_lse``)
+    lse: Optional[torch.fx.Node]  # the rows' statistics (``ops.online_softmax_attention_with_lse``); None with no softmax
     operands: tuple  # q, kt, v as the fused node reads them
     captured: list  # the tensors the chain reads (with the mask table, when there is one)
     subgraphs: dict  # the chain's subgraphs (get_attr nodes), by ScoreChain field
@@ -355,7 +355,10 @@ def fuse(
         subgraphs, decisions = ops.chain_arguments(chain)
         inputs = (q, kt, v, list(region.captured), sink, _subgraphs(graph, subgraphs), decisions)
         sizes = list(region.captured_sizes)
-        if training:
+        if training and not region.softmax:  # weights that are the chain's output: no statistics to save
+            assert region.pair is None and group_coefficients is None
+            fused, lse = call_op(graph, ops.online_softmax_attention, (*inputs, None, output_batch, sizes)), None
+        elif training:
             assert region.pair is None and group_coefficients is None
             op = ops.online_softmax_attention_with_lse
             both = call_op(graph, op, (q, kt, v, list(region.captured), inputs[5], decisions, output_batch, sizes, sink))

@@ -19,7 +19,8 @@ log-sum-exp) and R_bwd ``online_softmax_attention_backward``; the chain's deriva
 chain itself (``chain_vjp_module``), traced by autograd as the user's program was; the gradient of a tensor the
 chain reads (a learned bias, slopes) comes from the same kernel by the rule of ``captured_gradients``. A sink's
 column is in the rows' statistics; it meets no V, so its logits' gradient, ``-p_sink · delta`` per row, is a few
-pointwise ops on the statistics (``ops.sink_gradient``). Attention that the SDPA route takes in inference (plain
+pointwise ops on the statistics (``ops.sink_gradient``). Weights that are the chain's output itself (sigmoid
+attention, (A·B)·C) save no statistics: the logits' gradient is dO Vᵀ. Attention that the SDPA route takes in inference (plain
 causal, on CUDA) takes SDPA's forward and backward kernels instead (``sdpa_training``). A region outside the rule (a
 pair reduction, a bias read through a gather, a dynamic shape) is left to upstream, with the reason in the log
 (``TORCH_LOGS=flashlight``).
@@ -207,8 +208,8 @@ def _match_backward(region: AttentionRegion, with_chain: bool) -> Union[Decline,
 
 
 def _declines_training(region: AttentionRegion) -> Optional[str]:
-    if not region.softmax or region.pair is not None:
-        return "only a softmax over the columns (and a sink) trains fused (no pair reduction, no sigmoid)"
+    if region.pair is not None:
+        return "a pair reduction does not train fused"
     shapes = [_val(region.score_root).shape, *(_val(op).shape for op in _operands(region))]
     if not all(isinstance(size, int) for shape in shapes for size in shape) or region.captured_sizes:
         return "a dynamic shape"
@@ -246,18 +247,11 @@ def _insert_backward(region: AttentionRegion, matched: RegionBackward, fwd: Trai
     if isinstance(reads, str):
         raise RuntimeError(reads)
     position = {n: i for i, n in enumerate(graph.nodes)}
-    anchor = matched.grad_out if position[matched.grad_out] > position[fwd.lse] else fwd.lse
+    last_forward = fwd.lse if fwd.lse is not None else fwd.result
+    anchor = matched.grad_out if position[matched.grad_out] > position[last_forward] else last_forward
     with graph.inserting_before(anchor.next):
         grad_out = call_op(graph, aten.view.default, (matched.grad_out, [z, m, dv]))
-        out = call_op(graph, aten.view.default, (fwd.result, [z, m, dv]))
-        products = call_op(graph, aten.mul.Tensor, (
-            call_op(graph, prims.convert_element_type.default, (grad_out, torch.float32)),
-            call_op(graph, prims.convert_element_type.default, (out, torch.float32)),
-        ))
-        delta = call_op(graph, aten.sum.dim_IntList, (products, [-1]))
-        row_max = call_op(graph, aten.select.int, (fwd.lse, 1, 0)) if fwd.chain.wide_logits else fwd.lse
-        row_floor = call_op(graph, aten.amin.default, (row_max, [-1]))
-        dense = call_op(graph, aten.eq.Scalar, (row_floor, -math.inf))
+        delta, dense = _softmax_terms(fwd, grad_out, [z, m, dv]) if fwd.lse is not None else (None, None)
         vjp_node = subgraph(graph, vjp, "score_chain_vjp")
         q, kt, v = fwd.operands
         read_vjps = [subgraph(graph, read_vjp_module(chain, read, examples), "read_vjp") for read in reads]
@@ -278,6 +272,21 @@ def _insert_backward(region: AttentionRegion, matched: RegionBackward, fwd: Trai
             captured = region.captured[read.index]
             grads[3 + read.index] = gradient_of_read(graph, chain, read, partial, captured, score_shape)
         _hand_out(region, matched, grads)
+
+
+def _softmax_terms(fwd: TrainingForward, grad_out: torch.fx.Node, shape: list) -> tuple[torch.fx.Node, torch.fx.Node]:
+    """What the backward of a softmax reads beside its statistics: ``delta = Σ_Dv grad_out · out`` per row (float32),
+    and per batch entry whether a row is entirely masked (its statistics are -inf: ``dense``)."""
+    graph = grad_out.graph
+    out = call_op(graph, aten.view.default, (fwd.result, shape))
+    products = call_op(graph, aten.mul.Tensor, (
+        call_op(graph, prims.convert_element_type.default, (grad_out, torch.float32)),
+        call_op(graph, prims.convert_element_type.default, (out, torch.float32)),
+    ))
+    delta = call_op(graph, aten.sum.dim_IntList, (products, [-1]))
+    row_max = call_op(graph, aten.select.int, (fwd.lse, 1, 0)) if fwd.chain.wide_logits else fwd.lse
+    row_floor = call_op(graph, aten.amin.default, (row_max, [-1]))
+    return delta, call_op(graph, aten.eq.Scalar, (row_floor, -math.inf))
 
 
 def _sink_gradient(region: AttentionRegion, fwd: TrainingForward, delta: torch.fx.Node) -> torch.fx.Node:
@@ -347,9 +356,11 @@ def fuse_attention_for_training(graph: torch.fx.Graph) -> None:
     backward = frozenset(n for n in graph.nodes if _backward(n))
     changed = False
     for pv in [n for n in graph.nodes if _is(n, _MATMULS) and not _backward(n)]:
-        if pv.graph is not graph or _val(pv.args[0]) is None or not _looks_like_softmax_input(pv):
+        if pv.graph is not graph or _val(pv.args[0]) is None:
             continue
         region = find_attention(pv, dead=backward)
+        if isinstance(region, Decline) and not _looks_like_softmax_input(pv):
+            continue  # not attention: no decline to report
         reason = region.reason if isinstance(region, Decline) else _declines_training(region)
         matched = match_backward(region) if reason is None else None
         if isinstance(matched, Decline):

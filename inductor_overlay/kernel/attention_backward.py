@@ -49,7 +49,7 @@ def _grid(z, m, n, meta, *, cdiv):
 def backward_template(
     batch_ranks: tuple[int, int, int], masked_tile_code: Optional[str], wide: bool, ids: bool,
     table: Optional[int] = None, captured_grads: tuple = (), positions: Optional[tuple] = None,
-    visible_tile: Optional[tuple] = None,
+    visible_tile: Optional[tuple] = None, softmax: bool = True,
 ) -> TritonTemplate:
     """The backward kernel for operands with the given numbers of batch dims (q, kᵀ, v), position-mask test, row
     statistics (``wide``: the row max and sum apart, ``ops.py``) and id-equality mask (``ids``: its row and column
@@ -58,12 +58,13 @@ def backward_template(
     tensors whose gradients the kernel sums (``_captured_grads``) and the subgraphs of the position cells a mask
     reads (row, column; None for one it does not read), as the forward's pre-pass reads them; ``visible_tile``: the
     subgraphs of the chain without its masks and of its derivative, and the tests of entirely visible tiles for each
-    kind of program (``_visible_tiles``), or None."""
+    kind of program (``_visible_tiles``), or None; ``softmax``: False for weights that are the chain's output itself
+    (sigmoid attention, (A·B)·C): no row statistics, and the gradient of the logits is dO Vᵀ."""
     offsets = {f"{name.lower()}_offset": _batch_offset(name, rank) for name, rank in zip(("Q", "KT", "V"), batch_ranks)}
     source = template_files.render(
         "attention_backward.py.jinja", masked_tile=masked_tile_code, wide=wide, ids=ids, table=table,
         captured_grads=[dict(grad) for grad in captured_grads], positions=positions,
-        visible_tile=None if visible_tile is None else dict(visible_tile), **offsets,
+        visible_tile=None if visible_tile is None else dict(visible_tile), softmax=softmax, **offsets,
     )
     return _template_of(source)
 
@@ -205,22 +206,26 @@ def online_softmax_attention_backward_lowering(
     ]
     operands = [ir.ExternKernel.realize_input(t) for t in (q, kt, v)]
     ranks = tuple(len(t.get_size()) - 2 for t in operands)
-    operands += [ir.ExternKernel.realize_input(t) for t in (lse, delta, dense, grad_out)]
-    d, dv = V.graph.sizevars.guard_int(d), V.graph.sizevars.guard_int(dv)
-    # dKᵀ is written as the transpose of a contiguous dK: the user's k is [..., N, D], so its gradient needs no copy.
-    dkt = empty_strided([z, d, n], [d * n, 1, d], dtype=kt.get_dtype(), device=device)
-    dv_out = empty_strided([z, n, dv], None, dtype=v.get_dtype(), device=device)
-    partials = [_partial_buffer(read, batch_shape, m, n, device) for read in gradient_reads]
-    operands += [dkt, dv_out, *partials]
+    statistics = (lse, delta, dense) if chain.softmax else ()
+    operands += [ir.ExternKernel.realize_input(t) for t in (*statistics, grad_out)]
     for tensor in operands:
         tensor.freeze_layout()
+    d, dv = V.graph.sizevars.guard_int(d), V.graph.sizevars.guard_int(dv)
+    dk_contiguous = fused_ops.writes_dk_contiguous([V.graph.sizevars.guard_int(s) for s in operands[1].get_stride()])
+    dkt_stride = [d * n, 1, d] if dk_contiguous else [d * n, n, 1]
+    dkt = empty_strided([z, d, n], dkt_stride, dtype=kt.get_dtype(), device=device)
+    dv_out = empty_strided([z, n, dv], None, dtype=v.get_dtype(), device=device)
+    partials = [_partial_buffer(read, batch_shape, m, n, device) for read in gradient_reads]
+    for tensor in (dkt, dv_out, *partials):
+        tensor.freeze_layout()
+    operands += [dkt, dv_out, *partials]
     dq_size = [z, m, d]
     layout = ir.FixedLayout(device, q.get_dtype(), dq_size, ir.FlexibleLayout.contiguous_strides(dq_size))
     fp32_dot = q.get_dtype() == torch.float32
     wide = not all(expr_fits_within_32bit(t.get_layout().storage_size()) for t in [*operands, *captured])
     template = backward_template(
         ranks, masked_tile, chain.wide_logits, chain.id_graph_modules is not None, table, captured_grads, positions,
-        visible_tile,
+        visible_tile, chain.softmax,
     )
     logit_scale = LOG2E * chain.folded_scale
     choices: list[Any] = []
