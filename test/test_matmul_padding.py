@@ -58,3 +58,25 @@ def test_with_the_overlay_off_upstream_pads_attention():
     testing.assert_close_to_reference(out, reference(variants.softcap_tanh, q, k, v))
     assert "constant_pad_nd" in "\n".join(code)
     assert counters["inductor"]["flashlight_attention_fused"] == 0
+
+
+
+def _sigmoid_attention(q, k, v):
+    from benchmarks import programs
+
+    return programs.sigmoid_attention(q, k, v)
+
+
+@pytest.mark.parametrize("program", [variants.softcap_tanh, _sigmoid_attention])
+def test_unaligned_attention_trains_fused_where_upstream_would_pad(program):
+    """In training, neither attention's matmuls nor the matmuls autograd made to differentiate them are padded (a
+    padded backward matmul hides the attention's backward from the training pass). Sigmoid attention has no row
+    max: its matmuls are attention's by the sigmoid between them."""
+    from test.test_training import assert_matches_eager, train_on_cpu
+
+    operands = [torch.randn(2, 4, 37, 12).requires_grad_() for _ in range(3)]
+    with padding_forced():
+        out, grads, grad, code = train_on_cpu(program, operands, {})
+    assert_matches_eager(program, operands, {}, out, grads, grad)
+    assert counters["inductor"]["flashlight_attention_fused_for_training"] == 1
+    assert "constant_pad_nd" not in "\n".join(code)

@@ -37,7 +37,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import operator
-from typing import Optional, Union
+from typing import Any, Optional, Union
 
 import torch
 from torch.fx.experimental.symbolic_shapes import statically_known_true
@@ -442,11 +442,16 @@ _SCORE_CHAIN_SEARCH_NODES = 64
 
 def reaches_row_max(product: torch.fx.Node) -> bool:
     """Whether the product reaches an ``amax`` through views and pointwise ops (the scores of a softmax)."""
+    return reaches_op(product, aten.amax.default)
+
+
+def reaches_op(product: torch.fx.Node, target: Any) -> bool:
+    """Whether the product reaches a ``target`` op through views and pointwise ops."""
     seen, frontier = {product}, [product]
     while frontier and len(seen) < _SCORE_CHAIN_SEARCH_NODES:
         node = frontier.pop()
         for user in node.users:
-            if _is(user, aten.amax.default):
+            if _is(user, target):
                 return True
             if user in seen or not isinstance(user.target, torch._ops.OpOverload):
                 continue

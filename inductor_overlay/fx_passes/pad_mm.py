@@ -5,8 +5,9 @@ of the alignment (S = 300 in bf16) when a benchmark, run at compile time, finds 
 ``q @ kᵀ`` or ``p @ v`` reaches our post-grad pass sliced and padded, in a form the attention pass does not follow,
 so the fusion silently gave way to upstream's kernels, and whether it did depended on a timing taken at compile
 time. The fused kernel needs no aligned sizes (it masks ragged tiles), so while the overlay is active a matmul that
-is part of attention is not padded: its product reaches a row max (the scores), or its left operand is a softmax
-(the probabilities).
+is part of attention is not padded: its product reaches a row max or a sigmoid (the scores), or its left operand is
+a softmax or a sigmoid (the weights of V); in training, also the matmuls autograd made to differentiate those (the
+same sequence number), which the fused backward replaces.
 """
 
 from __future__ import annotations
@@ -16,8 +17,9 @@ from typing import Any, Callable
 
 from inductor_overlay import config
 from inductor_overlay.fx_passes.fx_helpers import _MATMULS
-from inductor_overlay.fx_passes.attention_region import _looks_like_softmax_input, reaches_row_max
+from inductor_overlay.fx_passes.attention_region import _looks_like_softmax_input, _strip_order_preserving, reaches_op
 from inductor_overlay.fx_passes.block_sparsity import is_op
+from inductor_overlay.fx_passes.fx_helpers import aten, prims
 from inductor_overlay.state import overlay_active
 
 
@@ -25,7 +27,28 @@ from inductor_overlay.state import overlay_active
 def part_of_attention(match: Any) -> bool:
     """Whether the matched matmul computes attention's scores or applies its probabilities to V."""
     matmuls = [node for node in match.nodes if is_op(node, _MATMULS)]
-    return any(_looks_like_softmax_input(mm) or reaches_row_max(mm) for mm in matmuls)
+    return any(_attention_matmul(mm) or _differentiates_attention(mm) for mm in matmuls)
+
+
+def _attention_matmul(mm: Any) -> bool:
+    return _looks_like_softmax_input(mm) or _weighs_by_sigmoid(mm) or reaches_op(mm, (aten.amax.default, aten.sigmoid.default))
+
+
+def _differentiates_attention(mm: Any) -> bool:
+    """A matmul of a joint graph's backward that differentiates an attention matmul (autograd's sequence number)."""
+    sequence = mm.meta.get("seq_nr")
+    if mm.meta.get("partitioner_tag") != "is_backward" or sequence is None:
+        return False
+    return any(
+        is_op(node, _MATMULS) and node.meta.get("partitioner_tag") != "is_backward" and node.meta.get("seq_nr") == sequence
+        and _attention_matmul(node)
+        for node in mm.graph.nodes
+    )
+
+
+def _weighs_by_sigmoid(mm: Any) -> bool:
+    weights, _ = _strip_order_preserving(mm.args[0], also=(prims.convert_element_type.default,))
+    return is_op(weights, aten.sigmoid.default)
 
 
 def wrap_should_pad(upstream_should_pad: Callable[..., bool]) -> Callable[..., bool]:
