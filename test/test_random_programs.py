@@ -62,7 +62,7 @@ def test_random_programs_match_eager(start):
 
 
 # Training: the same generator, with q, k and v requiring grad; gradients are compared too. A program the fused
-# backward does not take (a pair reduction, a head combination, sigmoid attention, a single row) trains on
+# backward does not take (a pair reduction, a head combination, a single row) trains on
 # upstream's path and must still match: about a quarter of the draws fuse for training.
 TRAINING_BATCH = 6
 
