@@ -67,11 +67,15 @@ def _sigmoid_attention(q, k, v):
     return programs.sigmoid_attention(q, k, v)
 
 
-@pytest.mark.parametrize("program", [variants.softcap_tanh, _sigmoid_attention])
+def _relu_weights(q, k, v):
+    return torch.relu(q @ k.transpose(-1, -2) * 0.5) @ v
+
+
+@pytest.mark.parametrize("program", [variants.softcap_tanh, _sigmoid_attention, _relu_weights])
 def test_unaligned_attention_trains_fused_where_upstream_would_pad(program):
     """In training, neither attention's matmuls nor the matmuls autograd made to differentiate them are padded (a
-    padded backward matmul hides the attention's backward from the training pass). Sigmoid attention has no row
-    max: its matmuls are attention's by the sigmoid between them."""
+    padded backward matmul hides the attention's backward from the training pass). Weights without a softmax have no
+    row max: their matmuls are attention's when the attention pass accepts the region they bound."""
     from test.test_training import assert_matches_eager, train_on_cpu
 
     operands = [torch.randn(2, 4, 37, 12).requires_grad_() for _ in range(3)]

@@ -5,9 +5,10 @@ of the alignment (S = 300 in bf16) when a benchmark, run at compile time, finds 
 ``q @ kᵀ`` or ``p @ v`` reaches our post-grad pass sliced and padded, in a form the attention pass does not follow,
 so the fusion silently gave way to upstream's kernels, and whether it did depended on a timing taken at compile
 time. The fused kernel needs no aligned sizes (it masks ragged tiles), so while the overlay is active a matmul that
-is part of attention is not padded: its product reaches a row max or a sigmoid (the scores), or its left operand is
-a softmax or a sigmoid (the weights of V); in training, also the matmuls autograd made to differentiate those (the
-same sequence number), which the fused backward replaces.
+is part of attention is not padded: its product reaches a row max (the scores), or its left operand is a softmax (the
+probabilities), or, for weights without a softmax (sigmoid attention, (A·B)·C), it is the output matmul of a region
+the attention pass accepts or its product is that region's scores; in training, also the matmuls autograd made to
+differentiate those (the same sequence number), which the fused backward replaces.
 """
 
 from __future__ import annotations
@@ -17,9 +18,11 @@ from typing import Any, Callable
 
 from inductor_overlay import config
 from inductor_overlay.fx_passes.fx_helpers import _MATMULS
-from inductor_overlay.fx_passes.attention_region import _looks_like_softmax_input, _strip_order_preserving, reaches_op
+import torch
+
+from inductor_overlay.fx_passes.attention_region import Decline, _looks_like_softmax_input, find_attention, reaches_row_max
 from inductor_overlay.fx_passes.block_sparsity import is_op
-from inductor_overlay.fx_passes.fx_helpers import aten, prims
+from inductor_overlay.fx_passes.fx_helpers import _VIEWS, prims
 from inductor_overlay.state import overlay_active
 
 
@@ -31,7 +34,29 @@ def part_of_attention(match: Any) -> bool:
 
 
 def _attention_matmul(mm: Any) -> bool:
-    return _looks_like_softmax_input(mm) or _weighs_by_sigmoid(mm) or reaches_op(mm, (aten.amax.default, aten.sigmoid.default))
+    if _looks_like_softmax_input(mm) or reaches_row_max(mm):
+        return True
+    return any(_output_of_a_region(pv) for pv in [mm, *_weighed_by(mm)])
+
+
+def _output_of_a_region(pv: Any) -> bool:
+    dead = frozenset(n for n in pv.graph.nodes if n.meta.get("partitioner_tag") == "is_backward")
+    return not isinstance(find_attention(pv, dead=dead), Decline)
+
+
+def _weighed_by(product: Any, limit: int = 64) -> list:
+    """The matmuls whose left operand ``product`` becomes through views and pointwise ops."""
+    found, seen, frontier = [], {product}, [product]
+    while frontier and len(seen) < limit:
+        for user in frontier.pop().users:
+            if is_op(user, _MATMULS) and user.args[0] in seen:
+                found.append(user)
+            elif user not in seen and isinstance(user.target, torch._ops.OpOverload) and (
+                torch.Tag.pointwise in user.target.tags or is_op(user, (*_VIEWS, prims.convert_element_type.default))
+            ):
+                seen.add(user)
+                frontier.append(user)
+    return found
 
 
 def _differentiates_attention(mm: Any) -> bool:
@@ -44,11 +69,6 @@ def _differentiates_attention(mm: Any) -> bool:
         and _attention_matmul(node)
         for node in mm.graph.nodes
     )
-
-
-def _weighs_by_sigmoid(mm: Any) -> bool:
-    weights, _ = _strip_order_preserving(mm.args[0], also=(prims.convert_element_type.default,))
-    return is_op(weights, aten.sigmoid.default)
 
 
 def wrap_should_pad(upstream_should_pad: Callable[..., bool]) -> Callable[..., bool]:
