@@ -390,6 +390,37 @@ def test_weights_without_a_softmax_train_fused(name):
     assert counters["inductor"]["flashlight_fault_fallback"] == 0
 
 
+def test_a_fault_anywhere_in_the_joint_pass_leaves_the_joint_graph_as_upstream_made_it(monkeypatch):
+    """A failure outside the per-attention containment (here the region search itself) would fail the user's
+    compile, since the joint graph is partitioned outside the compile step whose faults fall back: the pass puts
+    the graph back as it was, logs, and the program trains on upstream's path with eager's results."""
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("no region")
+
+    monkeypatch.setattr(attention_training, "find_attention", broken)
+    variant = variants.VARIANTS["causal"]
+    operands, extras = operands_of(variant, variants.Shape(B=1, H=2, M=24, N=24, D=8))
+    fn = variant.idioms["masked_fill"]
+    out, grads, grad, _ = train_on_cpu(fn, operands, extras)
+    assert_matches_eager(fn, operands, extras, out, grads, grad)
+    assert counters["inductor"]["flashlight_fault_fallback"] >= 1
+    assert counters["inductor"]["flashlight_attention_fused_for_training"] == 0
+
+
+def _softmax_of_a_2d_product(a, b, c):
+    return torch.softmax(a @ b, dim=-1) @ c
+
+
+def test_a_2d_attention_trains_fused():
+    """2-D operands: the fused forward's output is squeezed after its statistics, and the backward goes after both
+    (it once went before the squeeze and the joint graph was out of order)."""
+    operands = [t.requires_grad_() for t in programs.chain_inputs(M=40, K=16, N=36, P=24, generator=torch.Generator().manual_seed(3)).values()]
+    out, grads, grad, code = train_on_cpu(_softmax_of_a_2d_product, operands, {})
+    assert_matches_eager(_softmax_of_a_2d_product, operands, {}, out, grads, grad)
+    assert_fused_training(code, 40 * 36)
+
+
 def test_a_fault_in_the_fused_backward_leaves_upstreams_and_stays_correct(monkeypatch):
     def broken(*args):
         raise RuntimeError("no derivative")

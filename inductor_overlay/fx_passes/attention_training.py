@@ -247,8 +247,9 @@ def _insert_backward(region: AttentionRegion, matched: RegionBackward, fwd: Trai
     if isinstance(reads, str):
         raise RuntimeError(reads)
     position = {n: i for i, n in enumerate(graph.nodes)}
-    last_forward = fwd.lse if fwd.lse is not None else fwd.result
-    anchor = matched.grad_out if position[matched.grad_out] > position[last_forward] else last_forward
+    # After the output's gradient and everything the fused forward inserted (its output view may follow the
+    # statistics: a 2-D attention's squeeze).
+    anchor = max([matched.grad_out, fwd.result, *([fwd.lse] if fwd.lse is not None else [])], key=position.__getitem__)
     with graph.inserting_before(anchor.next):
         grad_out = call_op(graph, aten.view.default, (matched.grad_out, [z, m, dv]))
         delta, dense = _softmax_terms(fwd, grad_out, [z, m, dv]) if fwd.lse is not None else (None, None)

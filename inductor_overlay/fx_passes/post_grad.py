@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import logging
 import pathlib
 from typing import Any, Callable, Optional
 
 import torch
+from torch._dynamo.utils import counters
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from inductor_overlay import __version__, config
@@ -54,6 +56,34 @@ def overlay_source_hash() -> str:
 # Passes run in this order on every joint forward+backward graph (training), after upstream's joint passes.
 JOINT_PASSES: list[GraphPass] = [fuse_attention_for_training]
 
+log = logging.getLogger("flashlight.attention_fusion")
+
+
+def _contained(graph_pass: GraphPass) -> GraphPass:
+    """``graph_pass``, which on any exception leaves the graph as it found it (and logs why)."""
+
+    def run(graph: torch.fx.Graph) -> None:
+        saved = torch.fx.Graph()
+        saved.output(saved.graph_copy(graph, {}))
+        try:
+            graph_pass(graph)
+        except Exception as error:  # noqa: BLE001  (fault containment)
+            counters["inductor"]["flashlight_fault_fallback"] += 1
+            log.warning("%s failed (%s: %s); the joint graph is left as upstream made it", graph_pass.__name__,
+                        type(error).__name__, error)
+            _restore(graph, saved)
+
+    return run
+
+
+def _restore(graph: torch.fx.Graph, saved: torch.fx.Graph) -> None:
+    """``graph``'s nodes replaced by ``saved``'s, its placeholders kept (the partitioner knows inputs by name)."""
+    placeholders = list(graph.find_nodes(op="placeholder"))
+    for node in reversed(list(graph.nodes)):
+        if node.op != "placeholder":
+            graph.erase_node(node)
+    graph.output(graph.graph_copy(saved, dict(zip(saved.find_nodes(op="placeholder"), placeholders))))
+
 
 class FlashlightPostGradPass(CustomGraphPass):
     def __init__(self, user_pass: Optional[CustomGraphPass] = None) -> None:
@@ -78,10 +108,11 @@ class FlashlightPostGradPass(CustomGraphPass):
 
 class FlashlightJointPass(FlashlightPostGradPass):
     """The overlay's joint-graph pass, installed through Inductor's ``joint_custom_post_pass`` seam: the user's own
-    pass first, as for the post-grad one."""
+    pass first, as for the post-grad one. The joint graph is partitioned outside the compile step whose faults fall
+    back to upstream (``compile_fx.contain_faults``): here a pass that raises has the graph put back as it was."""
 
     def passes(self) -> list[GraphPass]:
-        return JOINT_PASSES
+        return [_contained(graph_pass) for graph_pass in JOINT_PASSES]
 
     def uuid(self) -> Any:
         return ("joint", *super().uuid())
