@@ -68,6 +68,8 @@ def _contained(graph_pass: GraphPass) -> GraphPass:
         try:
             graph_pass(graph)
         except Exception as error:  # noqa: BLE001  (fault containment)
+            if not config.fault_containment:
+                raise
             counters["inductor"]["flashlight_fault_fallback"] += 1
             log.warning("%s failed (%s: %s); the joint graph is left as upstream made it", graph_pass.__name__,
                         type(error).__name__, error)
