@@ -71,7 +71,13 @@ def _relu_weights(q, k, v):
     return torch.relu(q @ k.transpose(-1, -2) * 0.5) @ v
 
 
-@pytest.mark.parametrize("program", [variants.softcap_tanh, _sigmoid_attention, _relu_weights])
+def _sinks(q, k, v):
+    from benchmarks import programs
+
+    return programs.attention_sinks(q, k, v, torch.linspace(-1.0, 1.0, q.shape[1]))
+
+
+@pytest.mark.parametrize("program", [variants.softcap_tanh, _sigmoid_attention, _relu_weights, _sinks])
 def test_unaligned_attention_trains_fused_where_upstream_would_pad(program):
     """In training, neither attention's matmuls nor the matmuls autograd made to differentiate them are padded (a
     padded backward matmul hides the attention's backward from the training pass). Weights without a softmax have no

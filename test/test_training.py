@@ -597,3 +597,24 @@ def test_64_bit_indexing_kernels_pass_the_gpu_front_end(monkeypatch):
     (backward,) = [text for text in testing.triton_kernels(code).values() if "grad_scores" in text]
     assert "INDEX_DTYPE : tl.constexpr = tl.int64" in backward
     testing.check_gpu_front_end(code)
+
+
+def test_weights_without_a_softmax_over_few_column_tiles_decline_on_a_gpu(monkeypatch):
+    """(A·B)·C with no batch and a narrow B would leave most of a GPU idle in the fused backward: declined there,
+    with the reason; the same chain over enough column tiles, and any softmax attention, is taken."""
+    from types import SimpleNamespace
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(multi_processor_count=132))
+
+    def region(shape, softmax=False):
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        node = torch.fx.Graph().placeholder("scores")
+        with FakeTensorMode():
+            node.meta["val"] = torch.empty(shape, device="cuda")
+        return SimpleNamespace(softmax=softmax, qk=node, score_root=node, pair=None)
+
+    assert "fewer than the GPU's 132 multiprocessors" in attention_training._too_few_column_programs(region((16384, 128)))
+    assert attention_training._too_few_column_programs(region((16384, 16384))) is None
+    assert attention_training._too_few_column_programs(region((4, 32, 4096, 4096))) is None
+    assert attention_training._too_few_column_programs(region((16384, 128), softmax=True)) is None

@@ -445,8 +445,8 @@ def reaches_row_max(product: torch.fx.Node) -> bool:
     return reaches_op(product, aten.amax.default)
 
 
-def reaches_op(product: torch.fx.Node, target: Any) -> bool:
-    """Whether the product reaches a ``target`` op through views and pointwise ops."""
+def reaches_op(product: torch.fx.Node, target: Any, through: tuple = ()) -> bool:
+    """Whether the product reaches a ``target`` op through views, pointwise ops and ``through`` ops."""
     seen, frontier = {product}, [product]
     while frontier and len(seen) < _SCORE_CHAIN_SEARCH_NODES:
         node = frontier.pop()
@@ -455,7 +455,7 @@ def reaches_op(product: torch.fx.Node, target: Any) -> bool:
                 return True
             if user in seen or not isinstance(user.target, torch._ops.OpOverload):
                 continue
-            if torch.Tag.pointwise in user.target.tags or _is(user, (*_VIEWS, prims.convert_element_type.default)):
+            if torch.Tag.pointwise in user.target.tags or _is(user, (*_VIEWS, prims.convert_element_type.default, *through)):
                 seen.add(user)
                 frontier.append(user)
     return False

@@ -210,12 +210,31 @@ def _match_backward(region: AttentionRegion, with_chain: bool) -> Union[Decline,
 def _declines_training(region: AttentionRegion) -> Optional[str]:
     if region.pair is not None:
         return "a pair reduction does not train fused"
+    few = _too_few_column_programs(region)
+    if few is not None:
+        return few
     shapes = [_val(region.score_root).shape, *(_val(op).shape for op in _operands(region))]
     if not all(isinstance(size, int) for shape in shapes for size in shape) or region.captured_sizes:
         return "a dynamic shape"
     if _val(region.qk).shape[-1] == 0:
         return "no columns"
     return None
+
+
+def _too_few_column_programs(region: AttentionRegion) -> Optional[str]:
+    """Weights without a softmax may be a chain of two matmuls with no batch and few columns (``(A·B)·C`` with a
+    narrow B): the backward's dK and dV come from one program per column tile, each looping over every row, which
+    would leave most of a GPU idle. Those train on upstream's path when there are fewer such programs than
+    multiprocessors."""
+    device = _val(region.qk).device
+    if region.softmax or device.type != "cuda":
+        return None
+    shape = _val(region.score_root).shape
+    programs = math.prod(shape[:-2]) * -(-shape[-1] // 64)
+    processors = torch.cuda.get_device_properties(device).multi_processor_count
+    if programs >= processors:
+        return None
+    return f"weights without a softmax over {programs} column tiles of 64, fewer than the GPU's {processors} multiprocessors"
 
 
 def chain_vjp_module(chain: torch.fx.GraphModule, example_inputs: list) -> torch.fx.GraphModule:

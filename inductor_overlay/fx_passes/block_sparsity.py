@@ -584,11 +584,22 @@ def _varying_axis(node: object) -> Optional[int]:
 
 
 def depends_on(node: torch.fx.Node, target: torch.fx.Node, memo: dict) -> bool:
-    """Whether ``node`` is computed from ``target`` (``memo`` caches the answer per node, for one target)."""
-    if node is target:
-        return True
-    if node not in memo:
-        memo[node] = any(depends_on(arg, target, memo) for arg in node.all_input_nodes)
+    """Whether ``node`` is computed from ``target`` (``memo`` caches the answer per node, for one target). Iterative:
+    a long chain of ops must not reach Python's recursion limit."""
+    stack = [node]
+    while stack:
+        current = stack[-1]
+        if current is target:
+            memo[current] = True
+        if current in memo:
+            stack.pop()
+            continue
+        pending = [arg for arg in current.all_input_nodes if arg not in memo and arg is not target]
+        if pending:
+            stack.extend(pending)
+            continue
+        memo[current] = any(arg is target or memo[arg] for arg in current.all_input_nodes)
+        stack.pop()
     return memo[node]
 
 

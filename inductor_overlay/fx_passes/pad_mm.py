@@ -20,21 +20,26 @@ from inductor_overlay import config
 from inductor_overlay.fx_passes.fx_helpers import _MATMULS
 import torch
 
-from inductor_overlay.fx_passes.attention_region import Decline, _looks_like_softmax_input, find_attention, reaches_row_max
+from inductor_overlay.fx_passes.attention_region import Decline, _looks_like_softmax_input, find_attention, reaches_op
 from inductor_overlay.fx_passes.block_sparsity import is_op
-from inductor_overlay.fx_passes.fx_helpers import _VIEWS, prims
+from inductor_overlay.fx_passes.fx_helpers import _VIEWS, aten, prims
 from inductor_overlay.state import overlay_active
 
 
 
 def part_of_attention(match: Any) -> bool:
-    """Whether the matched matmul computes attention's scores or applies its probabilities to V."""
+    """Whether the matched matmul computes attention's scores or applies its probabilities to V (False, upstream's
+    decision, should the analysis itself fail)."""
     matmuls = [node for node in match.nodes if is_op(node, _MATMULS)]
-    return any(_attention_matmul(mm) or _differentiates_attention(mm) for mm in matmuls)
+    try:
+        return any(_attention_matmul(mm) or _differentiates_attention(mm) for mm in matmuls)
+    except Exception:  # noqa: BLE001  (fault containment: this runs inside upstream's pattern pass)
+        return False
 
 
 def _attention_matmul(mm: Any) -> bool:
-    if _looks_like_softmax_input(mm) or reaches_row_max(mm):
+    # (A sink's column joins the scores through a ``cat`` before the row max.)
+    if _looks_like_softmax_input(mm) or reaches_op(mm, aten.amax.default, through=(aten.cat.default,)):
         return True
     return any(_output_of_a_region(pv) for pv in [mm, *_weighed_by(mm)])
 
@@ -75,8 +80,11 @@ def wrap_should_pad(upstream_should_pad: Callable[..., bool]) -> Callable[..., b
     @functools.wraps(upstream_should_pad)
     def should_pad(match: Any, mat1: Any, mat2: Any, op: Any, input: Any = None) -> bool:
         import torch_patches
+        from torch._inductor.fx_passes.pad_mm import can_pad
 
-        if config.attention_fusion and overlay_active() and torch_patches.is_applied() and part_of_attention(match):
+        active = config.attention_fusion and overlay_active() and torch_patches.is_applied()
+        # (The cheap test of whether upstream could pad at all comes first: the analysis is for the matmuls it would.)
+        if active and can_pad(mat1, mat2, op, input) and part_of_attention(match):
             return False
         return upstream_should_pad(match, mat1, mat2, op, input)
 
