@@ -351,6 +351,29 @@ def test_attention_sinks_train_fused_with_the_sinks_gradient(fn):
 @pytest.mark.parametrize("fn,make_inputs", [
     (_sinks_with_masked_rows, programs.sinks_inputs), (_causal_sigmoid_attention, programs.qkv_inputs),
 ])
+def _gpt_oss_attention(q, k, v, sinks):
+    """Hugging Face's gpt-oss eager attention: K/V repeated over head groups, a causal sliding window as an additive
+    mask, the sinks concatenated and the row max subtracted before a softmax in the logits' dtype."""
+    b, h, m, d = q.shape
+    k, v = (t.repeat_interleave(h // t.shape[1], dim=1) for t in (k, v))
+    weights = q @ k.transpose(2, 3) * d**-0.5
+    i = torch.arange(m, device=q.device)
+    weights = weights + torch.where((i[None, :] > i[:, None]) | (i[:, None] - i[None, :] >= 8), float("-inf"), 0.0)
+    combined = torch.cat([weights, sinks.reshape(1, -1, 1, 1).expand(b, -1, m, -1)], dim=-1)
+    combined = combined - combined.max(dim=-1, keepdim=True).values
+    return torch.softmax(combined, dim=-1, dtype=combined.dtype)[..., :-1].to(v.dtype) @ v
+
+
+def test_gpt_oss_attention_trains_fused():
+    """GQA, a sliding window and learned sinks together, as Hugging Face writes gpt-oss: one fused forward (tiles
+    outside the window skipped) and backward, every gradient eager's."""
+    g = torch.Generator().manual_seed(1)
+    operands = [torch.randn(shape, generator=g).requires_grad_() for shape in ((2, 4, 33, 16), (2, 2, 33, 16), (2, 2, 33, 16), (4,))]
+    out, grads, grad, code = train_on_cpu(_gpt_oss_attention, operands, {})
+    assert_matches_eager(_gpt_oss_attention, operands, {}, out, grads, grad)
+    assert_fused_training(code, 2 * 4 * 33 * 33)
+
+
 def test_sinks_and_sigmoid_train_in_half_precision_and_pass_the_gpu_front_end(fn, make_inputs):
     inputs = make_inputs(B=1, H=2, S=40, D=16, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(6))
     operands = [t.requires_grad_() for t in inputs.values()]
