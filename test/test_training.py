@@ -348,9 +348,6 @@ def test_attention_sinks_train_fused_with_the_sinks_gradient(fn):
     assert "sink_base = SINK" in "".join(testing.triton_kernels(code).values())
 
 
-@pytest.mark.parametrize("fn,make_inputs", [
-    (_sinks_with_masked_rows, programs.sinks_inputs), (_causal_sigmoid_attention, programs.qkv_inputs),
-])
 def _gpt_oss_attention(q, k, v, sinks):
     """Hugging Face's gpt-oss eager attention: K/V repeated over head groups, a causal sliding window as an additive
     mask, the sinks concatenated and the row max subtracted before a softmax in the logits' dtype."""
@@ -374,6 +371,9 @@ def test_gpt_oss_attention_trains_fused():
     assert_fused_training(code, 2 * 4 * 33 * 33)
 
 
+@pytest.mark.parametrize("fn,make_inputs", [
+    (_sinks_with_masked_rows, programs.sinks_inputs), (_causal_sigmoid_attention, programs.qkv_inputs),
+])
 def test_sinks_and_sigmoid_train_in_half_precision_and_pass_the_gpu_front_end(fn, make_inputs):
     inputs = make_inputs(B=1, H=2, S=40, D=16, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(6))
     operands = [t.requires_grad_() for t in inputs.values()]
