@@ -37,7 +37,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import operator
-from typing import Any, Optional, Union
+from typing import Any, Iterator, Optional, Union
 
 import torch
 from torch.fx.experimental.symbolic_shapes import statically_known_true
@@ -447,18 +447,22 @@ def reaches_row_max(product: torch.fx.Node) -> bool:
 
 def reaches_op(product: torch.fx.Node, target: Any, through: tuple = ()) -> bool:
     """Whether the product reaches a ``target`` op through views, pointwise ops and ``through`` ops."""
+    return any(_is(user, target) for user, _ in chain_uses(product, through))
+
+
+def chain_uses(product: torch.fx.Node, through: tuple = ()) -> Iterator[tuple[torch.fx.Node, torch.fx.Node]]:
+    """Each use ``(user, value)`` of the product and of what it becomes through views, pointwise ops and ``through``
+    ops (the first ``_SCORE_CHAIN_SEARCH_NODES`` of them, breadth unordered)."""
     seen, frontier = {product}, [product]
     while frontier and len(seen) < _SCORE_CHAIN_SEARCH_NODES:
         node = frontier.pop()
         for user in node.users:
-            if _is(user, target):
-                return True
+            yield user, node
             if user in seen or not isinstance(user.target, torch._ops.OpOverload):
                 continue
             if torch.Tag.pointwise in user.target.tags or _is(user, (*_VIEWS, prims.convert_element_type.default, *through)):
                 seen.add(user)
                 frontier.append(user)
-    return False
 
 
 def is_matmul_fed_by(p: torch.fx.Node) -> bool:

@@ -43,17 +43,24 @@ from inductor_overlay.fx_passes.attention_region import AttentionRegion, Decline
 from inductor_overlay.fx_passes.block_sparsity import is_op as _is
 from inductor_overlay.fx_passes.captured_gradients import gradient_of_read, gradient_read, read_vjp_module
 from inductor_overlay.fx_passes.chain_modules import _score_chain_module, traced_joint
-from inductor_overlay.fx_passes.fx_helpers import _MATMULS, _operand_scale, _val, aten, call_op, call_traced, prims, subgraph
+from inductor_overlay.fx_passes.fx_helpers import (
+    _MATMULS,
+    _operand_scale,
+    _val,
+    aten,
+    call_op,
+    call_traced,
+    is_backward,
+    prims,
+    subgraph,
+)
 from inductor_overlay.fx_passes.sdpa_route import sdpa_call
 from inductor_overlay.fx_passes.sdpa_training import replace_pair_by_sdpa
 
 log = logging.getLogger("flashlight.attention_fusion")
 
 
-def _backward(node: torch.fx.Node) -> bool:
-    return node.meta.get("partitioner_tag") == "is_backward" or (
-        node.op == "placeholder" and node.name.startswith("tangents")
-    )
+_backward = is_backward
 
 
 def _seq(node: torch.fx.Node) -> Optional[int]:

@@ -160,6 +160,13 @@ def _materialise(graph: torch.fx.Graph, source: BatchSource, unscaled: bool = Tr
     return node
 
 
+def is_backward(node: torch.fx.Node) -> bool:
+    """A node of a joint graph's backward: an op autograd made, or an upstream gradient (``tangents_*``)."""
+    return node.meta.get("partitioner_tag") == "is_backward" or (
+        node.op == "placeholder" and node.name.startswith("tangents")
+    )
+
+
 def call_op(graph: torch.fx.Graph, target: Any, args: tuple, kwargs: Optional[dict] = None) -> torch.fx.Node:
     """A new node with its fake value (computed under the graph's fake mode; the overlay's own nodes by their fake
     implementation, ``ops.FAKE_IMPLS``)."""

@@ -17,12 +17,15 @@ import functools
 from typing import Any, Callable
 
 from inductor_overlay import config
-from inductor_overlay.fx_passes.fx_helpers import _MATMULS
-import torch
-
-from inductor_overlay.fx_passes.attention_region import Decline, _looks_like_softmax_input, find_attention, reaches_op
+from inductor_overlay.fx_passes.attention_region import (
+    Decline,
+    _looks_like_softmax_input,
+    chain_uses,
+    find_attention,
+    reaches_op,
+)
 from inductor_overlay.fx_passes.block_sparsity import is_op
-from inductor_overlay.fx_passes.fx_helpers import _VIEWS, aten, prims
+from inductor_overlay.fx_passes.fx_helpers import _MATMULS, aten, is_backward
 from inductor_overlay.state import overlay_active
 
 
@@ -41,37 +44,23 @@ def _attention_matmul(mm: Any) -> bool:
     # (A sink's column joins the scores through a ``cat`` before the row max.)
     if _looks_like_softmax_input(mm) or reaches_op(mm, aten.amax.default, through=(aten.cat.default,)):
         return True
-    return any(_output_of_a_region(pv) for pv in [mm, *_weighed_by(mm)])
+    # The output matmul of weights without a softmax, or the matmul whose product those weights are made from.
+    weighed = [user for user, value in chain_uses(mm) if is_op(user, _MATMULS) and user.args[0] is value]
+    return any(_output_of_a_region(pv) for pv in [mm, *weighed])
 
 
 def _output_of_a_region(pv: Any) -> bool:
-    dead = frozenset(n for n in pv.graph.nodes if n.meta.get("partitioner_tag") == "is_backward")
+    dead = frozenset(n for n in pv.graph.nodes if is_backward(n))
     return not isinstance(find_attention(pv, dead=dead), Decline)
-
-
-def _weighed_by(product: Any, limit: int = 64) -> list:
-    """The matmuls whose left operand ``product`` becomes through views and pointwise ops."""
-    found, seen, frontier = [], {product}, [product]
-    while frontier and len(seen) < limit:
-        for user in frontier.pop().users:
-            if is_op(user, _MATMULS) and user.args[0] in seen:
-                found.append(user)
-            elif user not in seen and isinstance(user.target, torch._ops.OpOverload) and (
-                torch.Tag.pointwise in user.target.tags or is_op(user, (*_VIEWS, prims.convert_element_type.default))
-            ):
-                seen.add(user)
-                frontier.append(user)
-    return found
 
 
 def _differentiates_attention(mm: Any) -> bool:
     """A matmul of a joint graph's backward that differentiates an attention matmul (autograd's sequence number)."""
     sequence = mm.meta.get("seq_nr")
-    if mm.meta.get("partitioner_tag") != "is_backward" or sequence is None:
+    if not is_backward(mm) or sequence is None:
         return False
     return any(
-        is_op(node, _MATMULS) and node.meta.get("partitioner_tag") != "is_backward" and node.meta.get("seq_nr") == sequence
-        and _attention_matmul(node)
+        is_op(node, _MATMULS) and not is_backward(node) and node.meta.get("seq_nr") == sequence and _attention_matmul(node)
         for node in mm.graph.nodes
     )
 
