@@ -213,6 +213,59 @@ def test_fully_masked_rows_give_eagers_nan_and_zero_gradients(fn):
     assert_fused_training(code, 2 * 20 * 20)
 
 
+def _left_padded_decoder(q, k, v, attention_mask):
+    """Hugging Face's eager decoder mask with left padding: the first rows see only padded keys, every logit of
+    theirs is finfo.min (finite, too large to scale): eager's softmax there is uniform over all the columns."""
+    lowest = torch.finfo(q.dtype).min
+    causal = torch.full((q.shape[-2], k.shape[-2]), lowest, dtype=q.dtype, device=q.device).triu(1)
+    mask = causal[None, None].masked_fill(attention_mask[:, None, None, :] == 0, lowest)
+    return torch.softmax(q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1]) + mask, -1) @ v
+
+
+def test_rows_of_finite_huge_logits_train_as_eager():
+    """Rows whose logits are all finfo.min keep their uniform probabilities in the backward (the wide statistics:
+    the row's own scale, max and 1/l), and the other rows stay exact beside them."""
+    operands = [torch.randn(2, 2, 40, 16).requires_grad_() for _ in range(3)]
+    attention_mask = (torch.arange(40)[None, :] >= torch.tensor([[5], [0]])).long()
+    out, grads, grad, code = train_on_cpu(_left_padded_decoder, operands, {"attention_mask": attention_mask})
+    expected = _left_padded_decoder(*(t.detach().double() for t in operands), attention_mask)
+    torch.testing.assert_close(out[0, :, :5].double(), expected[0, :, :5])  # the uniform rows
+    assert_matches_eager(_left_padded_decoder, operands, {"attention_mask": attention_mask}, out, grads, grad)
+    assert_fused_training(code, 2 * 2 * 40 * 40)
+    FileCheck().check("row_norm = 1.0 / row_sum").run(code[1])  # the wide statistics
+
+
+def test_wide_statistics_keep_one_loop_in_the_backward():
+    """A finfo.min key-padding mask: the forward runs entirely visible tiles in a loop of their own, the backward
+    (wide statistics) does not (kernel/attention_backward._backward_visible_loop); gradients as eager's."""
+    variant = variants.VARIANTS["key_padding"]
+    operands, extras = operands_of(variant, variants.Shape(B=2, H=2, M=48, N=48, D=16))
+    fn = variant.idioms["finfo_min"]
+    out, grads, grad, code = train_on_cpu(fn, operands, extras)
+    assert_matches_eager(fn, operands, extras, out, grads, grad)
+    forward, backward = (testing.triton_kernels(text) for text in code)
+    FileCheck().check("range(full_lo, full_hi, BLOCK_N)").run("".join(forward.values()))
+    FileCheck().check_count("for start_m in range(", 1, exactly=True).check("row_norm = 1.0 / row_sum").check_not(
+        "range(full_lo, full_hi"
+    ).run("".join(text for text in backward.values() if "grad_scores" in text))
+
+
+@pytest.mark.parametrize("fn,matmuls", [
+    (programs.diff_attention, 1), (programs.diff_attention_two_matmuls, 2), (programs.diff_transformer_causal, 1),
+])
+def test_differential_attention_declines_training_with_its_reason(fn, matmuls, caplog):
+    """Head groups (DiffAttn) do not train fused yet: each output matmul declines with its reason in the log, and
+    upstream's path gives eager's gradients."""
+    inputs = programs.diff_inputs(B=1, H=4, S=24, D=8)
+    operands = [inputs.pop(name).requires_grad_() for name in ("q", "k", "v")]
+    with caplog.at_level(logging.INFO, logger="flashlight.attention_fusion"):
+        out, grads, grad, code = train_on_cpu(fn, operands, inputs)
+    assert counters["inductor"]["flashlight_training_declined"] == matmuls
+    assert counters["inductor"]["flashlight_attention_fused_for_training"] == 0
+    assert caplog.text.count("sliced or combined across heads before V") == matmuls
+    assert_matches_eager(fn, operands, inputs, out, grads, grad)
+
+
 def _bias_added(q, k, v, bias):
     return torch.softmax(q @ k.transpose(-1, -2) + bias, -1) @ v
 

@@ -46,6 +46,7 @@ from inductor_overlay.fx_passes.chain_modules import _score_chain_module, traced
 from inductor_overlay.fx_passes.fx_helpers import (
     _MATMULS,
     _operand_scale,
+    _strip_order_preserving,
     _val,
     aten,
     call_op,
@@ -65,6 +66,26 @@ _backward = is_backward
 
 def _seq(node: torch.fx.Node) -> Optional[int]:
     return node.meta.get("seq_nr")
+
+
+_HEAD_SLICING = (aten.select.int, aten.slice.Tensor, aten.mul.Tensor, aten.sub.Tensor, aten.add.Tensor,
+                 aten.neg.default, prims.convert_element_type.default)
+
+
+def _weighs_by_head_slices(pv: torch.fx.Node) -> bool:
+    """Whether the matmul's weights are slices of a softmax's heads, or a combination of them (DiffAttn's
+    ``p[:, :, 0] - λ·p[:, :, 1]``), through views, selects and pointwise arithmetic: attention the training pass
+    does not fuse, whose decline it reports."""
+    pending, seen = [pv.args[0]], 0
+    while pending and seen < 32:
+        node = pending.pop()
+        seen += 1
+        stripped, _ = _strip_order_preserving(node)
+        if _is(stripped, aten.exp.default) or (_is(stripped, aten.div.Tensor) and _is(stripped.args[0], aten.exp.default)):
+            return True
+        if _is(stripped, _HEAD_SLICING):
+            pending.extend(a for a in stripped.args if isinstance(a, torch.fx.Node))
+    return False
 
 
 def trains(graph: torch.fx.Graph) -> bool:
@@ -387,7 +408,10 @@ def fuse_attention_for_training(graph: torch.fx.Graph) -> None:
             continue
         region = find_attention(pv, dead=backward)
         if isinstance(region, Decline) and not _looks_like_softmax_input(pv):
-            continue  # not attention: no decline to report
+            if not _weighs_by_head_slices(pv):
+                continue  # not attention: no decline to report
+            region = Decline("the probabilities are sliced or combined across heads before V (differential "
+                             "attention): head groups do not train fused; upstream's backward runs")
         reason = region.reason if isinstance(region, Decline) else _declines_training(region)
         matched = match_backward(region) if reason is None else None
         if isinstance(matched, Decline):

@@ -18,6 +18,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch._dynamo.utils import counters
 from torch._inductor.custom_graph_pass import CustomGraphPass
+from torch._inductor.pattern_matcher import stable_topological_sort
 
 from inductor_overlay import __version__, config
 from inductor_overlay.fx_passes.attention_fusion import fuse_attention
@@ -63,6 +64,9 @@ def _contained(graph_pass: GraphPass) -> GraphPass:
     """``graph_pass``, which on any exception leaves the graph as it found it (and logs why)."""
 
     def run(graph: torch.fx.Graph) -> None:
+        # Upstream's joint passes sort the graph only after the custom pass: a replacement may have left a node
+        # before its inputs, which a copy (and the pass) cannot follow.
+        stable_topological_sort(graph)
         saved = torch.fx.Graph()
         saved.output(saved.graph_copy(graph, {}))
         try:
