@@ -235,19 +235,27 @@ def test_rows_of_finite_huge_logits_train_as_eager():
     FileCheck().check("row_norm = 1.0 / row_sum").run(code[1])  # the wide statistics
 
 
-def test_wide_statistics_keep_one_loop_in_the_backward():
-    """A finfo.min key-padding mask: the forward runs entirely visible tiles in a loop of their own, the backward
-    (wide statistics) does not (kernel/attention_backward._backward_visible_loop); gradients as eager's."""
+@pytest.mark.parametrize("idiom,wide", [("finfo_min", True), ("bool_masked_fill", False)])
+def test_wide_statistics_keep_one_loop_in_the_backward(idiom, wide):
+    """Key padding: the forward runs entirely visible tiles in a loop of their own; the backward does too, except
+    where the forward keeps wide statistics (a finfo.min mask; attention_training._backward_visible_loop).
+    Gradients as eager's either way."""
     variant = variants.VARIANTS["key_padding"]
     operands, extras = operands_of(variant, variants.Shape(B=2, H=2, M=48, N=48, D=16))
-    fn = variant.idioms["finfo_min"]
+    fn = variant.idioms[idiom]
     out, grads, grad, code = train_on_cpu(fn, operands, extras)
     assert_matches_eager(fn, operands, extras, out, grads, grad)
     forward, backward = (testing.triton_kernels(text) for text in code)
+    backward_kernel = "".join(text for text in backward.values() if "grad_scores" in text)
     FileCheck().check("range(full_lo, full_hi, BLOCK_N)").run("".join(forward.values()))
-    FileCheck().check_count("for start_m in range(", 1, exactly=True).check("row_norm = 1.0 / row_sum").check_not(
-        "range(full_lo, full_hi"
-    ).run("".join(text for text in backward.values() if "grad_scores" in text))
+    if wide:
+        FileCheck().check_count("for start_m in range(", 1, exactly=True).check("row_norm = 1.0 / row_sum").check_not(
+            "range(full_lo, full_hi"
+        ).run(backward_kernel)
+    else:
+        FileCheck().check("for start_m in range(full_lo, full_hi, BLOCK_M1)").check(
+            "for start_n in range(full_lo, full_hi, BLOCK_N2)"
+        ).run(backward_kernel)
 
 
 @pytest.mark.parametrize("fn,matmuls", [

@@ -282,6 +282,15 @@ def chain_vjp_module(chain: torch.fx.GraphModule, example_inputs: list) -> torch
     return traced_joint(chain, example_inputs, joint, differentiate_scores=True)
 
 
+def _backward_visible_loop(chain: ops.ScoreChain) -> bool:
+    """Whether the backward runs the tiles its mask leaves entirely visible in a loop of their own, with the chain
+    that drops the mask, as the forward does. Not with captured gradients (their reads stay per logit), nor where the
+    forward keeps wide statistics (finite logits too large to scale, e.g. a finfo.min mask): there the loop lost 20%
+    on a key-padding mask and 3% on HF's decoder mask, where every other mask gained 1–37% (H100, bf16,
+    4×32×4096×64, backward kernel, 2026-11-27, results/training/bench_backward_visible_loop.txt)."""
+    return config.backward_visible_loop and chain.unmasked_graph_module is not None and not chain.wide_logits
+
+
 def _insert_backward(region: AttentionRegion, matched: RegionBackward, fwd: TrainingForward) -> None:
     """``online_softmax_attention_backward`` after the output's gradient, standing for R_bwd's outputs."""
     graph = region.pv.graph
@@ -303,10 +312,9 @@ def _insert_backward(region: AttentionRegion, matched: RegionBackward, fwd: Trai
         vjp_node = subgraph(graph, vjp, "score_chain_vjp")
         q, kt, v = fwd.operands
         read_vjps = [subgraph(graph, read_vjp_module(chain, read, examples), "read_vjp") for read in reads]
-        # Entirely visible tiles run the chain without its masks, and its derivative (not with captured gradients).
-        unmasked = fwd.chain.unmasked_graph_module
-        unmasked_vjp = None if unmasked is None or reads else subgraph(
-            graph, chain_vjp_module(unmasked, examples), "score_chain_vjp_unmasked"
+        # Entirely visible tiles run the chain without its masks, and its derivative (_backward_visible_loop).
+        unmasked_vjp = None if reads or not _backward_visible_loop(fwd.chain) else subgraph(
+            graph, chain_vjp_module(fwd.chain.unmasked_graph_module, examples), "score_chain_vjp_unmasked"
         )
         both = call_op(graph, ops.online_softmax_attention_backward, (
             q, kt, v, fwd.captured, fwd.subgraphs, fwd.decisions, vjp_node, fwd.lse, delta, dense, grad_out,

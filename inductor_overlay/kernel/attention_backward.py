@@ -100,14 +100,6 @@ def backward_configs(d: int, dv: int, device: torch.device, id_mask: bool = Fals
     ]
 
 
-def _backward_visible_loop(chain: Any) -> bool:
-    """Whether the backward runs entirely visible tiles in a loop of their own, as the forward does. Not where the
-    forward kept wide statistics (finite logits too large to scale, e.g. a finfo.min mask): there the loop lost 20%
-    on a key-padding mask and 3% on HF's decoder mask, where every other mask gained 1–37% (H100, bf16, 4×32×4096×64,
-    backward kernel, 2026-11-27, results/training/bench_backward_visible_loop.txt)."""
-    return overlay_config.backward_visible_loop and not chain.wide_logits
-
-
 def _captured_grads(reads: list, first_subgraph: int, batch_shape: list) -> tuple:
     """The template's view of each read whose gradient the kernel sums: its subgraph, kind, and for a read written
     per logit the index of its partial's batch entry (``out_z`` decomposed over the batch dims the read varies
@@ -199,7 +191,7 @@ def online_softmax_attention_backward_lowering(
         positions = tuple(numbers)
     masked_tile = tile_tests.masked_tile_test(chain.masked_formula, reads_vectors=positions is not None)
     visible_tile = None
-    if _backward_visible_loop(chain) and unmasked_vjp is not None and (masked_tile or chain.id_graph_modules is not None or table is not None):
+    if unmasked_vjp is not None and (masked_tile or chain.id_graph_modules is not None or table is not None):
         visible_tile = _visible_tiles(chain, len(subgraphs))
     if visible_tile is not None:
         unmasked_modules = [chain.unmasked_graph_module, fused_ops._module(unmasked_vjp)]
