@@ -274,6 +274,24 @@ def test_differential_attention_declines_training_with_its_reason(fn, matmuls, c
     assert_matches_eager(fn, operands, inputs, out, grads, grad)
 
 
+def _causal_3d(q, k, v):
+    """Attention on [B·H, S, D] tensors (older HF models' bmm layout): ``torch.matmul`` of 3-D tensors expands its
+    operands to their own shape, and autograd leaves those expands out of the backward."""
+    s = torch.matmul(q, k.transpose(1, 2)) / math.sqrt(q.shape[-1])
+    visible = torch.ones(s.shape[-2], s.shape[-1], dtype=torch.bool, device=q.device).tril()
+    return torch.matmul(torch.softmax(s.masked_fill(~visible, float("-inf")), -1), v)
+
+
+def test_three_dimensional_operands_train_fused():
+    """q, k, v of three dims, leaves of the graph: each gradient the backward kernel hands out is recognised as its
+    operand's (through the expands autograd does not differentiate)."""
+    operands = [torch.randn(6, 40, 16).requires_grad_() for _ in range(3)]
+    out, grads, grad, code = train_on_cpu(_causal_3d, operands, {})
+    assert_matches_eager(_causal_3d, operands, {}, out, grads, grad)
+    assert counters["inductor"]["flashlight_training_declined"] == 0
+    assert_fused_training(code, 6 * 40 * 40)
+
+
 def _bias_added(q, k, v, bias):
     return torch.softmax(q @ k.transpose(-1, -2) + bias, -1) @ v
 

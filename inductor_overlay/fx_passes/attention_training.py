@@ -124,6 +124,24 @@ def _gradient_slot(operand: torch.fx.Node, output: torch.fx.Node) -> Optional[in
     return len(output.args[0]) - len(primals) + primals.index(operand)
 
 
+_IDENTITIES = (aten.expand.default, aten.view.default, aten.reshape.default, aten.clone.default,
+               aten.alias.default)
+
+
+def _through_identities(operand: torch.fx.Node) -> tuple[torch.fx.Node, set]:
+    """The node ``operand`` is the identity of (up through views, expands and clones that keep its shape: a 3-D
+    ``torch.matmul``'s expands, whose backward autograd leaves out), and the sequence numbers of the nodes on the
+    way, whose backward ops may take the operand's gradient."""
+    seqs = {_seq(operand)}
+    while (
+        _is(operand, _IDENTITIES) and isinstance(operand.args[0], torch.fx.Node)
+        and _val(operand.args[0]) is not None and tuple(_val(operand.args[0]).shape) == tuple(_val(operand).shape)
+    ):
+        operand = operand.args[0]
+        seqs.add(_seq(operand))
+    return operand, seqs - {None}
+
+
 def _operand_of(value: torch.fx.Node, operands: list[Optional[torch.fx.Node]], backward: set) -> Union[int, Decline]:
     """Rule 4: which of ``operands`` (``_differentiable``) ``value`` (a node R_bwd hands out) is the gradient of."""
     users = [user for user in value.users if user not in backward]
@@ -131,11 +149,12 @@ def _operand_of(value: torch.fx.Node, operands: list[Optional[torch.fx.Node]], b
     for index, operand in enumerate(operands):
         if operand is None or tuple(_val(value).shape) != tuple(_val(operand).shape):
             continue
+        operand, seqs = _through_identities(operand)
         if operand.op == "placeholder":
             slot = _gradient_slot(operand, users[0]) if users[0].op == "output" else None
             if len(users) == 1 and slot is not None and users[0].args[0][slot] is value:
                 found.append(index)
-        elif _seq(operand) is not None and all(_backward(u) and _seq(u) == _seq(operand) for u in users):
+        elif _seq(operand) is not None and all(_backward(u) and _seq(u) in seqs for u in users):
             found.append(index)
     if len(found) == 1:
         return found[0]
