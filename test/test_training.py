@@ -292,6 +292,20 @@ def test_three_dimensional_operands_train_fused():
     assert_fused_training(code, 6 * 40 * 40)
 
 
+def _sliced_softmax_of_an_input(x, w, unused):
+    return torch.softmax(x, -1)[:, :, :8] @ w
+
+
+def test_a_sliced_softmax_not_of_scores_reports_no_attention(caplog):
+    """Head slices of a softmax whose input no matmul made (a router's weights, say) are not attention: no decline
+    is reported for them."""
+    operands = [torch.randn(2, 6, 12).requires_grad_(), torch.randn(8, 5).requires_grad_(), torch.randn(1)]
+    with caplog.at_level(logging.INFO, logger="flashlight.attention_fusion"):
+        train_on_cpu(_sliced_softmax_of_an_input, operands, {})
+    assert counters["inductor"]["flashlight_training_declined"] == 0
+    assert "across heads" not in caplog.text
+
+
 def _bias_added(q, k, v, bias):
     return torch.softmax(q @ k.transpose(-1, -2) + bias, -1) @ v
 

@@ -28,6 +28,7 @@ pair reduction, a bias read through a gather, a dynamic shape) is left to upstre
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
 import math
@@ -81,10 +82,25 @@ def _weighs_by_head_slices(pv: torch.fx.Node) -> bool:
         node = pending.pop()
         seen += 1
         stripped, _ = _strip_order_preserving(node)
-        if _is(stripped, aten.exp.default) or (_is(stripped, aten.div.Tensor) and _is(stripped.args[0], aten.exp.default)):
-            return True
+        if _is(stripped, aten.div.Tensor) and _is(stripped.args[0], aten.exp.default):
+            stripped = stripped.args[0]
+        if _is(stripped, aten.exp.default):
+            return _computed_from_a_matmul(stripped)
         if _is(stripped, _HEAD_SLICING):
             pending.extend(a for a in stripped.args if isinstance(a, torch.fx.Node))
+    return False
+
+
+def _computed_from_a_matmul(node: torch.fx.Node, steps: int = 48) -> bool:
+    """Whether a matmul is among the first ``steps`` nodes ``node`` is computed from, nearest first (a softmax of
+    scores, not of a router's logits)."""
+    pending, seen = collections.deque([node]), set()
+    while pending and len(seen) < steps:
+        current = pending.popleft()
+        seen.add(current)
+        if _is(current, _MATMULS):
+            return True
+        pending.extend(a for a in current.all_input_nodes if a not in seen and a.op == "call_function")
     return False
 
 
