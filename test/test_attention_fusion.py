@@ -183,6 +183,21 @@ def test_a_constant_factor_on_v_is_kept(fn):
     testing.assert_close_to_reference(out, reference(fn, *args))
 
 
+def _projected_keys_product(x, w, k):
+    return torch.matmul(x @ w, k.transpose(1, 2))
+
+
+def test_a_view_that_moves_rows_into_the_batch_declines():
+    """``(x @ W) @ kᵀ`` with x of three dims: the first product is a 2-D matmul of the flattened rows, viewed back
+    into a batch before the second. It once fused as a product chain whose output had the flattened rows' shape;
+    rows moved into the batch between the matmuls now decline."""
+    args = [fresh(6, 40, 16), fresh(16, 16), fresh(6, 40, 16)]
+    out, code = compile_on_cpu(_projected_keys_product, *args)
+    assert counters["inductor"]["flashlight_attention_fused"] == 0
+    assert out.shape == (6, 40, 40)
+    testing.assert_close_to_reference(out, reference(_projected_keys_product, *args))
+
+
 def test_captured_tensors_are_read_at_tile_positions():
     q, k, v = fresh(2, 3, 12, 16), fresh(2, 3, 20, 16), fresh(2, 3, 20, 16)
     attention_mask = (torch.rand(2, 20) > 0.3).long()

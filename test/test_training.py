@@ -75,10 +75,10 @@ def assert_matches_eager(fn, operands, extras, out, grads, grad):
         testing.assert_close_to_reference(actual, reference)
 
 
-def assert_fused_training(code, score_numel):
+def assert_fused_training(code, score_numel, extern_calls=0):
     """A forward kernel that stores the rows' statistics; a backward kernel with the column-tile loop (dV, dK)
-    and the row-tile loop (dQ), the chain and its derivative in each; no extern matmul; no buffer of the score
-    matrix's size in either graph."""
+    and the row-tile loop (dQ), the chain and its derivative in each; no extern matmul (but ``extern_calls`` of the
+    program's own, None for any); no buffer of the score matrix's size in either graph."""
     kernels = testing.triton_kernels(code)
     forward = [text for text in kernels.values() if "for start_n in range(" in text and "grad_scores" not in text]
     backward = [text for text in kernels.values() if "grad_scores" in text]
@@ -97,7 +97,7 @@ def assert_fused_training(code, score_numel):
         assert backward[0].count(position_test[1]) == 2, position_test[1]
     assert backward[0].count("ids_disjoint =") == 2 * forward[0].count("ids_disjoint =")
     assert backward[0].count("cell_states = ") == 2 * forward[0].count("cell_states = ")
-    testing.check_kernels(code, extern_calls=0)
+    testing.check_kernels(code, extern_calls=extern_calls)
     allocated = testing.allocated_buffer_numels(code)
     assert max(allocated) < score_numel, f"buffers of {allocated} elements, scores {score_numel}"
     assert counters["inductor"]["flashlight_attention_fused_for_training"] == 1
@@ -282,6 +282,47 @@ def _causal_3d(q, k, v):
     return torch.matmul(torch.softmax(s.masked_fill(~visible, float("-inf")), -1), v)
 
 
+def _projected_causal_3d(x, wq, wk, wv):
+    return _causal_3d(x @ wq, x @ wk, x @ wv)
+
+
+@pytest.mark.parametrize("weight_shape", [(16, 16), (6, 16, 16)])
+def test_three_dimensional_attention_of_projections_trains_fused(weight_shape):
+    """q, k, v projected in the graph (2-D matmuls of the flattened rows viewed back into the batch, or batched
+    matmuls): the softmax attention fuses, not the product chain of the queries' projection and kᵀ (which once
+    fused first, took the attention's scores, and failed its backward)."""
+    weights = [(torch.randn(weight_shape) / 4).requires_grad_() for _ in range(3)]  # at the usual 1/√d scale
+    operands = [torch.randn(6, 40, 16).requires_grad_(), *weights]
+    out, grads, grad, code = train_on_cpu(_projected_causal_3d, operands, {})
+    assert_matches_eager(_projected_causal_3d, operands, {}, out, grads, grad)
+    assert counters["inductor"]["flashlight_attention_fused_for_training"] == 1
+    assert counters["inductor"]["flashlight_training_fault"] == 0
+    assert_fused_training(code, 6 * 40 * 40, extern_calls=None)
+    assert "extern_kernels.bmm" not in "".join(code) or len(weight_shape) == 3  # the projections' matmuls only
+
+
+def _query_projected_3d(x, wq, k, v):
+    return _causal_3d(torch.bmm(x, wq), k, v)
+
+
+@pytest.mark.parametrize("training", [False, True])
+def test_a_product_that_is_a_softmaxs_scores_leaves_the_attention_to_fuse(training):
+    """``(x·Wq)·kᵀ`` is a product chain, but also the scores of the softmax attention after it: the attention
+    fuses, in inference and in training (the product chain once fused first and left the softmax unfused)."""
+    operands = [torch.randn(6, 40, 16), torch.randn(6, 16, 16) / 4, torch.randn(6, 40, 16), torch.randn(6, 40, 16)]
+    if training:
+        operands = [t.requires_grad_() for t in operands]
+        out, grads, grad, code = train_on_cpu(_query_projected_3d, operands, {})
+        assert_matches_eager(_query_projected_3d, operands, {}, out, grads, grad)
+        assert_fused_training(code, 6 * 40 * 40, extern_calls=None)
+    else:
+        with testing.cpu_triton(), config.patch(sdpa_pattern_policy="flashlight"):
+            out, code = testing.compile_and_get_code(_query_projected_3d, *operands)
+        testing.assert_close_to_reference(out, _query_projected_3d(*(t.double() for t in operands)))
+        FileCheck().check("scores = tl.dot(q, k").check("acc = tl.dot(p, v").run("".join(testing.triton_kernels(code).values()))
+    assert counters["inductor"]["flashlight_attention_declined"] == 0
+
+
 def test_three_dimensional_operands_train_fused():
     """q, k, v of three dims, leaves of the graph: each gradient the backward kernel hands out is recognised as its
     operand's (through the expands autograd does not differentiate)."""
@@ -292,16 +333,20 @@ def test_three_dimensional_operands_train_fused():
     assert_fused_training(code, 6 * 40 * 40)
 
 
-def _sliced_softmax_of_an_input(x, w, unused):
-    return torch.softmax(x, -1)[:, :, :8] @ w
+def _sliced_softmax_beside_attention(x, w, q, k, v):
+    routed = torch.softmax(x, -1)[:, :, :8] @ w
+    return torch.cat([routed.flatten(), (torch.softmax(q @ k.transpose(-1, -2), -1) @ v).flatten()])
 
 
 def test_a_sliced_softmax_not_of_scores_reports_no_attention(caplog):
     """Head slices of a softmax whose input no matmul made (a router's weights, say) are not attention: no decline
-    is reported for them."""
-    operands = [torch.randn(2, 6, 12).requires_grad_(), torch.randn(8, 5).requires_grad_(), torch.randn(1)]
+    is reported for them, while the attention beside them trains fused."""
+    operands = [torch.randn(2, 6, 12), torch.randn(8, 5), *(torch.randn(2, 20, 8) for _ in range(3))]
+    operands = [t.requires_grad_() for t in operands]
     with caplog.at_level(logging.INFO, logger="flashlight.attention_fusion"):
-        train_on_cpu(_sliced_softmax_of_an_input, operands, {})
+        out, grads, grad, code = train_on_cpu(_sliced_softmax_beside_attention, operands, {})
+    assert_matches_eager(_sliced_softmax_beside_attention, operands, {}, out, grads, grad)
+    assert counters["inductor"]["flashlight_attention_fused_for_training"] == 1
     assert counters["inductor"]["flashlight_training_declined"] == 0
     assert "across heads" not in caplog.text
 

@@ -379,10 +379,14 @@ def find_attention(pv: torch.fx.Node, dead: frozenset = frozenset()) -> Union[De
         return Decline(f"head dim {max(head_dims)} exceeds {MAX_HEAD_DIM}, the largest kept whole in one tile")
     if math.prod(_val(score_root).shape) != math.prod(_val(p_operand).shape):
         return Decline("the probabilities are broadcast before the output matmul")
+    if _val(score_root).shape[-2] != _val(p_operand).shape[-2]:
+        return Decline("a view between the matmuls moves score rows into the batch (or the batch into the rows)")
     if not softmax:
         unprofitable = _match_linear(p, head_dims, math.prod(_val(score_root).shape[:-1]))
         if unprofitable is not None:
             return unprofitable
+        if reaches_row_max(pv):
+            return Decline("no softmax, and the product is the scores of a softmax attention, which fuses instead")
 
     sources = _batch_source(q), _batch_source(kt), _batch_source(v)
     operand_scale = 1.0

@@ -12,7 +12,10 @@ own:
 3. R_bwd reads exactly one gradient, shaped as the region's output: the gradient of its output;
 4. every value R_bwd hands to the rest of the graph is the gradient of one of the operands of the two matmuls
    (q, kᵀ, v), of a floating tensor the chain reads or of the sink logits: it is read only by the backward of that
-   tensor's producer (the producer's seq_nr), or it is the graph's output for an input's gradient.
+   tensor's producer (the producer's seq_nr; where the tensor is a shape-keeping view or expand of another, as a
+   3-D ``matmul`` makes, whose backward autograd leaves out, that other's producer), or it is the graph's output
+   for an input's gradient. (A gradient accumulated from several uses goes through an ``add`` that carries no
+   forward op's seq_nr, so it matches no operand: such a region declines.)
 
 The region then becomes ``online_softmax_attention_with_lse`` (the forward, which also saves the rows'
 log-sum-exp) and R_bwd ``online_softmax_attention_backward``; the chain's derivative is the joint graph of the
@@ -69,25 +72,30 @@ def _seq(node: torch.fx.Node) -> Optional[int]:
     return node.meta.get("seq_nr")
 
 
-_HEAD_SLICING = (aten.select.int, aten.slice.Tensor, aten.mul.Tensor, aten.sub.Tensor, aten.add.Tensor,
-                 aten.neg.default, prims.convert_element_type.default)
+_HEAD_SLICES = (aten.select.int, aten.slice.Tensor)
+_HEAD_ARITHMETIC = (aten.mul.Tensor, aten.sub.Tensor, aten.add.Tensor, aten.neg.default,
+                    prims.convert_element_type.default)
 
 
 def _weighs_by_head_slices(pv: torch.fx.Node) -> bool:
     """Whether the matmul's weights are slices of a softmax's heads, or a combination of them (DiffAttn's
-    ``p[:, :, 0] - λ·p[:, :, 1]``), through views, selects and pointwise arithmetic: attention the training pass
-    does not fuse, whose decline it reports."""
-    pending, seen = [pv.args[0]], 0
+    ``p[:, :, 0] - λ·p[:, :, 1]``), through views, selects and pointwise arithmetic with at least one select or
+    slice on the way (dropout's products alone are not head slices): attention the training pass does not fuse,
+    whose decline it reports."""
+    pending, seen = [(pv.args[0], False)], 0
     while pending and seen < 32:
-        node = pending.pop()
+        node, sliced = pending.pop()
         seen += 1
         stripped, _ = _strip_order_preserving(node)
         if _is(stripped, aten.div.Tensor) and _is(stripped.args[0], aten.exp.default):
             stripped = stripped.args[0]
         if _is(stripped, aten.exp.default):
-            return _computed_from_a_matmul(stripped)
-        if _is(stripped, _HEAD_SLICING):
-            pending.extend(a for a in stripped.args if isinstance(a, torch.fx.Node))
+            if sliced and _computed_from_a_matmul(stripped):
+                return True
+            continue
+        if _is(stripped, (*_HEAD_SLICES, *_HEAD_ARITHMETIC)):
+            sliced = sliced or _is(stripped, _HEAD_SLICES)
+            pending.extend((a, sliced) for a in stripped.args if isinstance(a, torch.fx.Node))
     return False
 
 
@@ -97,6 +105,8 @@ def _computed_from_a_matmul(node: torch.fx.Node, steps: int = 48) -> bool:
     pending, seen = collections.deque([node]), set()
     while pending and len(seen) < steps:
         current = pending.popleft()
+        if current in seen:
+            continue
         seen.add(current)
         if _is(current, _MATMULS):
             return True
@@ -319,8 +329,8 @@ def chain_vjp_module(chain: torch.fx.GraphModule, example_inputs: list) -> torch
 
 def _backward_visible_loop(chain: ops.ScoreChain) -> bool:
     """Whether the backward runs the tiles its mask leaves entirely visible in a loop of their own, with the chain
-    that drops the mask, as the forward does. Not with captured gradients (their reads stay per logit), nor where the
-    forward keeps wide statistics (finite logits too large to scale, e.g. a finfo.min mask): there the loop lost 20%
+    that drops the mask, as the forward does (the caller adds: not with captured gradients, whose reads stay per
+    logit). Not where the forward keeps wide statistics (finite logits too large to scale, e.g. a finfo.min mask): there the loop lost 20%
     on a key-padding mask and 3% on HF's decoder mask, where every other mask gained 1–37% (H100, bf16,
     4×32×4096×64, backward kernel, 2026-11-27, results/training/bench_backward_visible_loop.txt)."""
     return config.backward_visible_loop and chain.unmasked_graph_module is not None and not chain.wide_logits
@@ -473,12 +483,13 @@ def fuse_attention_for_training(graph: torch.fx.Graph) -> None:
                 log.info("attention at %s trains on SDPA's forward and backward kernels", pv.name)
                 continue
             _insert_backward(region, matched, fuse(region, training=True))
-        except Exception as error:  # noqa: BLE001  (fault containment, below)
-            # The fused forward, if it is in place, computes the output the region did; the region's own ops stay
-            # for its backward, which still reads them: the graph is correct, only not fused.
+        except Exception as error:  # noqa: BLE001  (counted, then contained by post_grad._contained)
+            # A fault half-way leaves a fused forward whose backward is missing or partly handed out (and a forward
+            # that is itself at fault): the pass gives up, and its wrapper puts the joint graph back as upstream
+            # made it.
             counters["inductor"]["flashlight_training_fault"] += 1
-            log.warning("attention at %s: the fused backward failed (%s); upstream's backward runs", pv.name, error)
-            continue
+            log.warning("attention at %s: the fused backward failed (%s)", pv.name, error)
+            raise
         counters["inductor"]["flashlight_attention_fused_for_training"] += 1
         log.info("attention fused for training at %s: scores %s", pv.name, tuple(_val(region.score_root).shape))
     if changed:
