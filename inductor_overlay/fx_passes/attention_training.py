@@ -330,9 +330,9 @@ def chain_vjp_module(chain: torch.fx.GraphModule, example_inputs: list) -> torch
 def _backward_visible_loop(chain: ops.ScoreChain) -> bool:
     """Whether the backward runs the tiles its mask leaves entirely visible in a loop of their own, with the chain
     that drops the mask, as the forward does (the caller adds: not with captured gradients, whose reads stay per
-    logit). Not where the forward keeps wide statistics (finite logits too large to scale, e.g. a finfo.min mask): there the loop lost 20%
-    on a key-padding mask and 3% on HF's decoder mask, where every other mask gained 1–37% (H100, bf16,
-    4×32×4096×64, backward kernel, 2026-11-27, results/training/bench_backward_visible_loop.txt)."""
+    logit). Not where the forward keeps wide statistics (finite logits too large to scale, e.g. a finfo.min mask):
+    there the loop lost 20% on a key-padding mask and 3% on HF's decoder mask, where every other mask gained 1–37%
+    (H100, bf16, 4×32×4096×64, backward kernel, 2026-11-27, results/training/bench_backward_visible_loop.txt)."""
     return config.backward_visible_loop and chain.unmasked_graph_module is not None and not chain.wide_logits
 
 
