@@ -437,7 +437,12 @@ def _looks_like_softmax_input(pv: torch.fx.Node) -> bool:
     p, dropped_column = _strip_dropped_last_column(p)  # a sink's column
     if dropped_column:
         p, _ = _strip_order_preserving(p, also=(prims.convert_element_type.default,))
-    return _is(p, aten.exp.default) or (_is(p, aten.div.Tensor) and _is(p.args[0], aten.exp.default))
+    return is_softmax_output(p)
+
+
+def is_softmax_output(node: torch.fx.Node) -> bool:
+    """``exp(..)``, or ``exp(..) / ..``: what a softmax (normalised or not yet) leaves."""
+    return _is(node, aten.exp.default) or (_is(node, aten.div.Tensor) and _is(node.args[0], aten.exp.default))
 
 
 # How far past the scores matmul the search for the softmax's row max looks (views, casts, the user's chain).

@@ -43,7 +43,13 @@ from torch._dynamo.utils import counters
 
 from inductor_overlay import config, ops
 from inductor_overlay.fx_passes.attention_fusion import TrainingForward, fuse
-from inductor_overlay.fx_passes.attention_region import AttentionRegion, Decline, _looks_like_softmax_input, find_attention
+from inductor_overlay.fx_passes.attention_region import (
+    AttentionRegion,
+    Decline,
+    _looks_like_softmax_input,
+    find_attention,
+    is_softmax_output,
+)
 from inductor_overlay.fx_passes.block_sparsity import is_op as _is
 from inductor_overlay.fx_passes.captured_gradients import gradient_of_read, gradient_read, read_vjp_module
 from inductor_overlay.fx_passes.chain_modules import _score_chain_module, traced_joint
@@ -65,9 +71,6 @@ from inductor_overlay.fx_passes.sdpa_training import replace_pair_by_sdpa
 log = logging.getLogger("flashlight.attention_fusion")
 
 
-_backward = is_backward
-
-
 def _seq(node: torch.fx.Node) -> Optional[int]:
     return node.meta.get("seq_nr")
 
@@ -87,9 +90,7 @@ def _weighs_by_head_slices(pv: torch.fx.Node) -> bool:
         node, sliced = pending.pop()
         seen += 1
         stripped, _ = _strip_order_preserving(node)
-        if _is(stripped, aten.div.Tensor) and _is(stripped.args[0], aten.exp.default):
-            stripped = stripped.args[0]
-        if _is(stripped, aten.exp.default):
+        if is_softmax_output(stripped):
             if sliced and _computed_from_a_matmul(stripped):
                 return True
             continue
@@ -180,7 +181,7 @@ def _operand_of(value: torch.fx.Node, operands: list[Optional[torch.fx.Node]], b
             slot = _gradient_slot(operand, users[0]) if users[0].op == "output" else None
             if len(users) == 1 and slot is not None and users[0].args[0][slot] is value:
                 found.append(index)
-        elif _seq(operand) is not None and all(_backward(u) and _seq(u) in seqs for u in users):
+        elif _seq(operand) is not None and all(is_backward(u) and _seq(u) in seqs for u in users):
             found.append(index)
     if len(found) == 1:
         return found[0]
@@ -192,7 +193,7 @@ def _convex(nodes: set) -> set:
     in the forward, which lost its number there: a softmax's scale)."""
     after = _reached(nodes, lambda node: node.users)
     before = _reached(nodes, lambda node: node.all_input_nodes)
-    return nodes | {n for n in after & before if n.op == "call_function" and _backward(n)}
+    return nodes | {n for n in after & before if n.op == "call_function" and is_backward(n)}
 
 
 def _reached(nodes: set, neighbours) -> set:
@@ -207,7 +208,7 @@ def _reached(nodes: set, neighbours) -> set:
 
 
 def _gradients_read(backward: set) -> set:
-    return {arg for node in backward for arg in node.all_input_nodes if arg not in backward and _backward(arg)}
+    return {arg for node in backward for arg in node.all_input_nodes if arg not in backward and is_backward(arg)}
 
 
 def _with_chain_backward(region: AttentionRegion, backward: set, sequence: set) -> set:
@@ -217,9 +218,9 @@ def _with_chain_backward(region: AttentionRegion, backward: set, sequence: set) 
     # A forward op that makes no autograd node (an ``iota``, a comparison) carries the number of the op before it:
     # numbers that also label forward nodes outside the chain are not the chain's own.
     chain = set(region.chain)
-    elsewhere = {_seq(n) for n in graph.nodes if n.op == "call_function" and not _backward(n) and n not in chain}
+    elsewhere = {_seq(n) for n in graph.nodes if n.op == "call_function" and not is_backward(n) and n not in chain}
     chain_sequence = {_seq(node) for node in region.chain} - sequence - elsewhere - {None}
-    candidates = [n for n in graph.nodes if n.op == "call_function" and _backward(n) and _seq(n) in chain_sequence]
+    candidates = [n for n in graph.nodes if n.op == "call_function" and is_backward(n) and _seq(n) in chain_sequence]
     grown = True
     while grown:
         added = {n for n in candidates if n not in backward and any(a in backward for a in n.all_input_nodes)}
@@ -249,12 +250,12 @@ def _match_backward(region: AttentionRegion, with_chain: bool) -> Union[Decline,
     if any(_seq(operand) in sequence for operand in operands) or len(set(operands)) < 3:
         return Decline("an operand of the matmuls comes from the attention's own ops")
     graph = region.pv.graph
-    own = _convex({n for n in graph.nodes if n.op == "call_function" and _backward(n) and _seq(n) in sequence})
+    own = _convex({n for n in graph.nodes if n.op == "call_function" and is_backward(n) and _seq(n) in sequence})
     backward = _with_chain_backward(region, own, sequence) if with_chain else own
     if not backward:
         return Decline("the attention's backward was not found")
     # Forward nodes of the region's ops that only its backward reads (an alias of the saved probabilities).
-    saved = {n for n in graph.nodes if not _backward(n) and _seq(n) in sequence and n not in forward}
+    saved = {n for n in graph.nodes if not is_backward(n) and _seq(n) in sequence and n not in forward}
     saved = {n for n in saved if all(u in backward or u in saved for u in n.users)}
     for node in forward - {region.pv}:
         outside = [u for u in node.users if u not in forward and u not in backward and u not in saved]
@@ -454,9 +455,9 @@ def fuse_attention_for_training(graph: torch.fx.Graph) -> None:
     backward pair."""
     if not (config.attention_fusion and config.fused_backward and trains(graph)):
         return
-    backward = frozenset(n for n in graph.nodes if _backward(n))
+    backward = frozenset(n for n in graph.nodes if is_backward(n))
     changed = False
-    for pv in [n for n in graph.nodes if _is(n, _MATMULS) and not _backward(n)]:
+    for pv in [n for n in graph.nodes if _is(n, _MATMULS) and not is_backward(n)]:
         if pv.graph is not graph or _val(pv.args[0]) is None:
             continue
         region = find_attention(pv, dead=backward)
