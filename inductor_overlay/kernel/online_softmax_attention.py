@@ -147,12 +147,13 @@ def _template_of(source: str) -> TritonTemplate:
 
 def _score_sized_bytes(captured: Sequence[Any], m: Any, n: Any) -> int:
     """Bytes per score element of the captured tensors the chain reads at every (m, n): a [.., M, N] mask or bias
-    (not broadcast over rows or columns)."""
+    (not broadcast over rows or columns), or a longer one the chain slices to the scores (GPT-2's ``[1, 1, L, L]``
+    buffer read as ``bias[:, :, :T, :T]``)."""
     total = 0
     for tensor in captured:
         size, stride = tensor.get_size(), tensor.get_stride()
         full = len(size) >= 2 and all(
-            V.graph.sizevars.statically_known_equals(size[dim], extent) and stride[dim] != 0
+            V.graph.sizevars.statically_known_geq(size[dim], extent) and stride[dim] != 0
             for dim, extent in ((-2, m), (-1, n))
         )
         total += tensor.get_dtype().itemsize if full else 0
