@@ -98,10 +98,13 @@ class ScoreChain:
     exact_graph_module: Optional[torch.fx.GraphModule] = None
     exact_folded_scale: float = 1.0
     speculation_bound: float = math.inf  # the fast chain's result is exact where |row max| stays below this
-    # Tile-choice inputs: the chain's work per logit ("none", "light", "heavy": ``attention_fusion.score_chain_weight``)
-    # and whether it gathers from a tensor at a per-logit index.
+    # Tile-choice inputs: the chain's work per logit ("none", "light", "heavy": ``attention_fusion.score_chain_weight``),
+    # whether it gathers from a tensor at a per-logit index, whether its table's mask is the same on every row.
     chain_weight: str = "heavy"
     gathers: bool = False
+    # The mask a table summarises is broadcast over the rows (``[.., 1, N]``: key padding, BLOOM's ALiBi bias): every
+    # row tile meets its partial tiles at the same columns.
+    mask_rows_alike: bool = False
 
 
 # The fields of a ScoreChain that hold GraphModules (a pair of them for the id masks), with the names their subgraphs

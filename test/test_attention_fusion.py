@@ -434,15 +434,21 @@ def test_tile_configs_are_autotuned_only_under_max_autotune_by_default():
     assert kernel.kernel_configs(128, 128, cuda, columns=2048, visible_loop=True)[0] == wide
     assert kernel.kernel_configs(128, 128, cuda, columns=1024, visible_loop=True)[0]["BLOCK_N"] == 64
     # A mask tensor's kernel reads its mask only on the partial tiles: 128×128, with the stages that fit beside it,
-    # at rows of 1024 too; a table over a mask the chain computes: 128×64 over long rows, 64×64 over short ones.
-    # The visible loop keeps the stages that fit without the mask's tiles; the partial tiles' loop gets two.
+    # at rows of 1024 too; the visible loop keeps the stages that fit without the mask's tiles, the partial tiles'
+    # loop gets two. A table over a mask not read per score (computed by the chain, or broadcast over the rows):
+    # 128×64 over long rows, 64×64 over short ones, every stage in both loops.
     for columns in (1024, 2048):
         mask_tensor = kernel.kernel_configs(128, 128, cuda, element_bytes=1, columns=columns, visible_loop=True, mask_table=True)
         assert mask_tensor[0] == dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3, partial_stages=2)
     computed = [kernel.kernel_configs(128, 128, cuda, columns=n, visible_loop=True, mask_table=True)[0] for n in (1024, 2048)]
-    assert computed == [dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3, partial_stages=2),
-                        dict(long_biased[0], partial_stages=2)]
+    assert computed == [dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3), long_biased[0]]
     assert "partial_stages" not in kernel.kernel_configs(64, 64, cuda, columns=2048, visible_loop=True, mask_table=True)[0]
+    # At head dim 64, a table over a mask broadcast over the rows (key padding, a [H, 1, N] bias) takes 128×64 with
+    # 8 warps over rows longer than 1024; a mask that varies along the rows keeps 64×64.
+    rows_alike = lambda n: kernel.kernel_configs(64, 64, cuda, columns=n, visible_loop=True, mask_table=True, mask_rows_alike=True)[0]  # noqa: E731
+    assert rows_alike(2048) == dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3)
+    assert rows_alike(1024) == kernel.kernel_configs(64, 64, cuda, columns=2048, visible_loop=True, mask_table=True)[0]
+    assert rows_alike(1024)["BLOCK_M"] == 64
     # DiffAttn's head pairs (Q·K at 64, P·V at 128): 4 warps unmasked, 8 under a causal mask.
     assert kernel.kernel_configs(64, 128, cuda)[0] == dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=4)
     assert kernel.kernel_configs(64, 128, cuda, visible_loop=True)[0] == dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3)
@@ -564,6 +570,30 @@ def test_configs_are_told_the_bytes_the_chain_reads_per_score(monkeypatch, extra
     out, code = compile_on_cpu(program, q, k, v, tensors[extra], fresh_cache=True)
     assert seen == [expected]
     testing.assert_close_to_reference(out, reference(program, q, k, v, tensors[extra]))
+
+
+@pytest.mark.parametrize("mask_shape,alike", [((2, 1, 1, 40), True), ((1, 1, 40, 40), False), ((2, 1, 40), True)],
+                         ids=["key-padding", "full-mask", "per-head-bias"])
+def test_configs_are_told_whether_the_tables_mask_is_the_same_on_every_row(monkeypatch, mask_shape, alike):
+    """A mask or bias broadcast over the rows (key padding ``[B, 1, 1, N]``, BLOOM's ALiBi bias ``[H, 1, N]``) is
+    told apart from one that varies along them: its tile choice differs (``kernel_configs``)."""
+    from inductor_overlay.kernel import online_softmax_attention as kernel
+
+    seen, original = [], kernel.kernel_configs
+    monkeypatch.setattr(kernel, "kernel_configs", lambda *args, **kw: seen.append(kw["mask_rows_alike"]) or original(*args, **kw))
+    q, k, v = (torch.randn(2, 2, 40, 16) for _ in range(3))
+    boolean = len(mask_shape) == 4
+    t = torch.rand(mask_shape) > 0.3 if boolean else torch.randn(mask_shape)
+
+    def program(q, k, v, t):
+        scores = q @ k.transpose(-2, -1)
+        return torch.softmax(scores.masked_fill(~t, float("-inf")) if t.dtype == torch.bool else scores.float() + t, dim=-1) @ v
+
+    if boolean:
+        t[..., 0] = True  # every row keeps a key
+    out, _ = compile_on_cpu(program, q, k, v, t, fresh_cache=True)
+    assert seen == [alike]
+    testing.assert_close_to_reference(out, reference(program, q, k, v, t))
 
 
 class _KeepPostGradModule(CustomGraphPass):

@@ -178,6 +178,12 @@ def _batch_fastest(region: AttentionRegion, score_shape: torch.Size) -> int:
     return score_shape[0] if shared and all(shared) else 0
 
 
+def _broadcast_over_rows(mask: torch.fx.Node) -> bool:
+    """Whether a mask or bias the chain reads is the same on every row of the scores (``[.., 1, N]``)."""
+    shape = _val(mask).shape
+    return len(shape) >= 2 and shape[-2] == 1
+
+
 def _worth_a_visible_loop(unmasked: torch.fx.GraphModule, region: AttentionRegion, drops_mask_loads: bool) -> bool:
     """A loop of its own for entirely visible tiles pays where the mask is most of the per-element work: on the
     H100 it gave 6–15% at head dim 64 when the rest of the chain is only scaling (causal, prefix-LM, GQA), and lost
@@ -334,6 +340,7 @@ def fuse(
         batch_fastest=_batch_fastest(region, score_shape),
         chain_weight=score_chain_weight(chain_module),
         gathers=reads_gathers(chain_module),
+        mask_rows_alike=mask_table is not None and _broadcast_over_rows(tensor_mask.term if tensor_mask else additive_mask.bias),
         mask_table_module=None if mask_table is None else _chain_value_module(
             region, mask_table, [*(score_shape[:-2] or [1]), *_table_cells(score_shape, mask_table)]
         ),

@@ -209,13 +209,14 @@ def _fitting_stages(config: tuple[int, int, int, int], d: int, dv: int, element_
 def kernel_configs(
     d: int, dv: int, device: torch.device, pair_channels: int = 0, element_bytes: int = 0,
     columns: int = 0, visible_loop: bool = False, mask_table: bool = False, shared_v_heads: int = 1,
-    gathers: bool = False, chain_weight: str = "heavy", id_mask: bool = False,
+    gathers: bool = False, chain_weight: str = "heavy", id_mask: bool = False, mask_rows_alike: bool = False,
 ) -> list[dict[str, int]]:
     """Tile sizes to autotune over (BLOCK_M, BLOCK_N, warps, stages), pruned by the head dims (QK, V), by the
     channels of a pair reduction, and by the shared memory left beside the tiles of score-sized tensors the chain
     reads (``element_bytes`` per score: a mask or a bias, whose loads are pipelined too) and by the row length
     (``columns``, N), by whether most tiles run in a loop without mask math (``visible_loop``) and whether a mask
-    table decides which (``mask_table``), by the heads sharing one pass (``shared_v_heads``), and by whether the
+    table decides which (``mask_table``; ``mask_rows_alike``: its mask is broadcast over the rows), by the heads
+    sharing one pass (``shared_v_heads``), and by whether the
     chain reads a tensor at an index it computes per logit (``gathers``: T5's distance table), and by the chain's
     per-logit work (``chain_weight``, ``attention_fusion.score_chain_weight``: none, arithmetic alone, or more; "heavy" for any
     chain that is masked, not 16-bit or not a softmax), and by whether a
@@ -246,6 +247,11 @@ def kernel_configs(
         # (h100_2026-11-26_alibi_tiles/sweeps/light_sweep.txt, final/probe_vanilla_tiles.txt).
         if chain_weight == "light" and not (visible_loop or element_bytes) and columns > 1024:
             shapes.sort(key=lambda shape: shape != (128, 128, 4, 3))
+        # A table over a mask broadcast over the rows (key padding, BLOOM's ALiBi bias [H, 1, N]) over rows longer
+        # than 1024: 128×64 (8 warps), 5–9% less time than 64×64 at 4×32×4096×64 on key padding's four forms and
+        # 9% on the bias (results/written_forms/tile_sweeps.txt).
+        if visible_loop and mask_table and mask_rows_alike and columns > 1024:
+            shapes.sort(key=lambda shape: shape != (128, 64, 8, 3))
     elif d <= 64 and dv <= 128:
         # DiffAttn's head pairs run in turn (the shared pass off or declined): four stages, by 4% at 32×32×512×64
         # and 4×32×4096×64 (h100_2026-11-24_causal_diff_warps/stages_sweep.txt).
@@ -290,7 +296,7 @@ def kernel_configs(
         if visible_loop and mask_table:
             best = (128, 128, 8, 3) if element_bytes > 0 else (128, 64, 8, 3) if columns > 1024 else (64, 64, 4, 3)
             shapes = [best, *[shape for shape in shapes if shape != best]]
-            fewer_partial_stages = True
+            fewer_partial_stages = element_bytes > 0
     else:
         shapes = [(128, 64, 8, 3), (64, 64, 4, 2), (64, 32, 4, 2)]
     shared_bytes = _shared_memory_bytes(device)
@@ -301,8 +307,10 @@ def kernel_configs(
     if fewer_partial_stages:
         # Only the partial tiles' loop reads the mask: the visible loop keeps the stages that fit without it (Triton
         # reuses the shared memory between the two loops), the partial loop gets two. 128×128 with a mask tensor:
-        # 13% and 7% less time at 8×16×2048×128 and 16×16×1024×128 than 2 stages throughout; a computed mask, 1–3%
-        # (h100_2026-11-23_additive_masks/sweeps/partial_stages_*.txt).
+        # 13% and 7% less time at 8×16×2048×128 and 16×16×1024×128 than 2 stages throughout
+        # (h100_2026-11-23_additive_masks/sweeps/partial_stages_*.txt). A table over a mask the partial loop does not
+        # read per score keeps every stage there: two lost 20% on BLOOM's ALiBi bias (all its tiles are partial) and
+        # 3% on HF's decoder mask at 8×16×2048×128 (results/written_forms/tile_sweeps.txt).
         visible_stages = _fitting_stages(shapes[0], d, dv, 0, shared_bytes)[3]
         partial_stages = min(2, _fitting_stages(shapes[0], d, dv, element_bytes, shared_bytes)[3])
         configs[0] = dict(configs[0], num_stages=visible_stages, partial_stages=partial_stages)
@@ -674,7 +682,7 @@ def _lower_attention(q, kt, v, captured, sink, chain, group_coefficients=None, p
     configs = kernel_configs(
         d, dv, device, channels, element_bytes=element_bytes, columns=columns, visible_loop=visible_loop,
         mask_table=chain.mask_table_module is not None, shared_v_heads=groups if shared_v else 1,
-        gathers=chain.gathers,
+        gathers=chain.gathers, mask_rows_alike=chain.mask_rows_alike,
         chain_weight=chain.chain_weight if chain.softmax and not fp32_dot and not skips_tiles else "heavy",
         id_mask=id_subgraphs is not None,
     )
