@@ -186,6 +186,48 @@ def test_captured_positions_train_with_the_fused_backward():
         testing.assert_close_to_reference(leaf.grad, reference.grad)
 
 
+# In training the CI tier keeps one form of each kind of input (a sliced buffer's mask, a bias passed in, a mask
+# passed in, captured ids); the full tier trains every form.
+TRAINED_IN_CI = {("forms_causal", "sliced_buffer_mask"), ("forms_alibi", "bias_passed_in"),
+                 ("forms_key_padding", "mask_passed_in"), ("forms_document", "captured")}
+TRAINING_CASES = [
+    pytest.param(name, form, id=f"{name}-{form}", marks=() if (name, form) in TRAINED_IN_CI else pytest.mark.full)
+    for name, variant in FORMS.items() for form in variant.idioms
+]
+
+
+@pytest.mark.parametrize("name,form", TRAINING_CASES)
+def test_every_written_form_trains_fused_and_matches_eager(name, form):
+    """Every form trains with the fused backward (containment off: a fault raises), keeps no score-sized buffer,
+    and gives float64 eager's output and q, k, v gradients."""
+    from torch._dynamo.utils import counters
+
+    variant = FORMS[name]
+    q, k, v, extras = variants.make_inputs(variant, variants.Shape(B=2, H=2, M=70, N=70, D=16))
+    fn = variant.idioms[form]
+    leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+    counters.clear()
+    with testing.cpu_triton(), config.patch(sdpa_pattern_policy="flashlight", fault_containment=False):
+        torch._dynamo.reset()
+
+        def step():
+            out = torch.compile(fn)(*leaves, **extras)
+            grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(0))
+            out.backward(grad)
+            return out, grad
+
+        (out, grad), code = testing.run_keeping_graphs_and_get_code(step)
+    assert counters["inductor"]["flashlight_attention_fused_for_training"] == 1
+    assert any("grad_scores" in text for text in testing.triton_kernels(code).values())
+    assert not any(size >= 70 * 70 * 2 for size in testing.allocated_buffer_numels(code)), "a score-sized buffer"
+    exact = [t.detach().double().requires_grad_(True) for t in (q, k, v)]
+    expected = fn(*exact, **_float64(extras))
+    expected.backward(grad.double())
+    testing.assert_close_to_reference(out, expected)
+    for leaf, reference in zip(leaves, exact):
+        testing.assert_close_to_reference(leaf.grad, reference.grad)
+
+
 @pytest.mark.parametrize(
     "name,form,says",
     [
