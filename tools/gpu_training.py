@@ -1,5 +1,5 @@
 """Run as `PYTHONPATH=. python tools/gpu_training.py [--variants=a,b] [--shapes=BxHxSxD,...] [--check-only] [--learned]
-[--programs=a,b]`.
+[--programs=a,b] [--forms=family:form,...]`.
 
 Training on the GPU: forward + backward of each variant's first idiom, inputs requiring grad.
 
@@ -14,7 +14,9 @@ With ``--learned`` the variant's floating tensors (ALiBi's slopes, a per-head bi
 gradients are checked and computed in every timed step (FlexAttention's as its captured buffers' gradients).
 
 With ``--programs`` the named programs of ``benchmarks/programs.py`` (every floating input requiring grad) are
-checked at their CPU size and timed at their GPU sizes against default ``torch.compile`` instead.
+checked at their CPU size and timed at their GPU sizes against default ``torch.compile`` instead; with ``--forms``
+the named written forms of ``benchmarks/written_forms.py`` (``forms_causal:sliced_buffer_mask``, ...) stand for the
+variants.
 """
 
 from __future__ import annotations
@@ -188,6 +190,21 @@ def program_rows(program) -> list[str]:
     return rows
 
 
+def written_form_rows(forms: list[str], shapes: list[Shape]) -> list[str]:
+    """``--forms=family:form,...``: forms of ``benchmarks/written_forms.py`` checked and timed one at a time."""
+    import dataclasses
+
+    from benchmarks.written_forms import FORMS
+
+    rows = []
+    for family, form in (text.split(":") for text in forms):
+        variant = dataclasses.replace(FORMS[family], idioms={form: FORMS[family].idioms[form]})
+        rows.append(f"{family} {form} {check(variant)}")
+        for shape in shapes:
+            rows += [f"  {shape.B}x{shape.H}x{shape.M}x{shape.D} bf16 forward+backward", *bench(variant, shape)]
+    return rows
+
+
 def main() -> None:
     if _arg("programs", ""):
         from benchmarks.programs import PROGRAMS
@@ -200,6 +217,10 @@ def main() -> None:
     names = _arg("variants", DEFAULT_VARIANTS).split(",")
     shapes = [parse_shape(s) for s in _arg("shapes", DEFAULT_SHAPES).split(",")]
     print(f"{torch.cuda.get_device_name()} torch {torch.__version__} triton {triton.__version__} {datetime.date.today()}")
+    if _arg("forms", ""):
+        for row in written_form_rows(_arg("forms", "").split(","), shapes):
+            print(row, flush=True)
+        return
     with config.patch(sdpa_pattern_policy="flashlight"):
         for name in names:
             print(check(VARIANTS[name]), flush=True)
