@@ -245,3 +245,20 @@ def test_the_fusion_log_says_how_tiles_are_chosen(name, form, says, caplog):
     with caplog.at_level(logging.INFO, logger="flashlight"):
         _compile(variant.idioms[form], q, k, v, **extras)
     assert says in caplog.text
+    assert "training: positions read" not in caplog.text
+
+
+@pytest.mark.parametrize("form,slower", [("captured_positions", True), ("in_function", False)])
+def test_the_fusion_log_says_when_training_reads_positions_per_logit(form, slower, caplog):
+    """In training, captured positions are read and converted per logit in both passes (the check that computes
+    consecutive ones from the tile is for inference): the log says so where it applies, and only there."""
+    import logging
+
+    variant = FORMS["forms_alibi"]
+    q, k, v, extras = variants.make_inputs(variant, variants.Shape(B=1, H=2, M=40, N=40, D=16))
+    leaves = [t.requires_grad_(True) for t in (q, k, v)]
+    with caplog.at_level(logging.INFO, logger="flashlight"), testing.cpu_triton():
+        torch._dynamo.reset()
+        torch.compile(variant.idioms[form])(*leaves, **extras).sum().backward()
+    assert "attention at" in caplog.text
+    assert ("training: positions read from memory and converted per logit" in caplog.text) == slower

@@ -59,6 +59,7 @@ from inductor_overlay.fx_passes.chain_modules import (
     _reroute_size_reads,
     _score_chain_module,
     affine_positions,
+    captured_positions,
     position_differences,
 )
 from inductor_overlay.fx_passes.mask_tables import _mask_table, _shared_table, _table_cells, position_cells
@@ -350,7 +351,8 @@ def fuse(
             for table in cells
         ),
     )
-    log.info("attention at %s: %s", region.pv.name, describe_tiles(chain))
+    per_logit = training and config.affine_positions and bool(captured_positions(region, _position_vectors(region, reads, skippable)))
+    log.info("attention at %s: %s", region.pv.name, describe_tiles(chain, positions_per_logit=per_logit))
     if region.pair is not None:
         _hoist_before(region.pair.values, anchor)
     groups = 1 if group_coefficients is None else _val(group_coefficients).numel()
@@ -390,9 +392,11 @@ def fuse(
     return result
 
 
-def describe_tiles(chain: ScoreChain) -> str:
+def describe_tiles(chain: ScoreChain, positions_per_logit: bool = False) -> str:
     """How the kernel decides which tiles to visit, for the fusion log: what a user reads to see why one written
-    form of a mask skips tiles and another does not."""
+    form of a mask skips tiles and another does not; ``positions_per_logit``: in training, positions read from
+    memory that inference would compute from the tile where they are consecutive (``affine_positions``) are read
+    and converted per logit, in both passes."""
     parts = []
     if chain.masked_formula is not None:
         read = " (positions read from memory, bounded per tile from their values)" if reads_vectors(chain.masked_formula) else ""
@@ -401,11 +405,13 @@ def describe_tiles(chain: ScoreChain) -> str:
         parts.append("document ids bounded per tile at run time")
     if chain.mask_table_module is not None:
         parts.append("a mask tensor summarised per call into cells of 32x32 (a read of the whole mask)")
+    per_logit = "; training: positions read from memory and converted per logit (inference computes consecutive ones from the tile)"
+    per_logit = per_logit if positions_per_logit else ""
     if not parts:
-        return "every tile visited (no mask whose tiles the analysis can bound)"
+        return "every tile visited (no mask whose tiles the analysis can bound)" + per_logit
     split = chain.unmasked_graph_module is not None
     parts.append("entirely visible tiles run without the mask" if split else "every visited tile runs the whole chain")
-    return "; ".join(parts)
+    return "; ".join(parts) + per_logit
 
 
 def _output_batch(batch: tuple, groups: int, dv: Any) -> Optional[list[int]]:

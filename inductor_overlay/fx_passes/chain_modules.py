@@ -138,12 +138,9 @@ def _reads_as_float32(user: torch.fx.Node, node: torch.fx.Node) -> bool:
     )
 
 
-def affine_positions(graph: torch.fx.Graph, region: AttentionRegion, vectors: list) -> tuple[dict, Optional[torch.fx.Node]]:
-    """The captured integer tensors ``[*lead, L]`` that the position ``vectors`` (nodes of the chain) are read from,
-    each with graph nodes for its first values ``[*lead, 1]``, and one node that says, per call, whether every one
-    of them holds consecutive values along its last dim (``first + 0, 1, 2, ...``: ``arange`` made once outside,
-    a buffer of it sliced, HF's ``position_ids``). Where that holds, the chain may compute them from the tile's own
-    positions (``_score_chain_module``'s ``affine``); where it does not, the kernel runs the exact chain."""
+def captured_positions(region: AttentionRegion, vectors: list) -> list:
+    """The captured integer tensors the position ``vectors`` (nodes of the chain) are read from that may hold
+    consecutive values (``affine_positions`` checks them per call)."""
     leaves = []
     for vector in vectors:
         pending = [vector]
@@ -153,7 +150,16 @@ def affine_positions(graph: torch.fx.Graph, region: AttentionRegion, vectors: li
                 leaves.append(node)
             elif node in region.chain:
                 pending += node.all_input_nodes
-    leaves = [leaf for leaf in dict.fromkeys(leaves) if _consecutive_candidate(leaf)]
+    return [leaf for leaf in dict.fromkeys(leaves) if _consecutive_candidate(leaf)]
+
+
+def affine_positions(graph: torch.fx.Graph, region: AttentionRegion, vectors: list) -> tuple[dict, Optional[torch.fx.Node]]:
+    """The captured integer tensors ``[*lead, L]`` that the position ``vectors`` (nodes of the chain) are read from,
+    each with graph nodes for its first values ``[*lead, 1]``, and one node that says, per call, whether every one
+    of them holds consecutive values along its last dim (``first + 0, 1, 2, ...``: ``arange`` made once outside,
+    a buffer of it sliced, HF's ``position_ids``). Where that holds, the chain may compute them from the tile's own
+    positions (``_score_chain_module``'s ``affine``); where it does not, the kernel runs the exact chain."""
+    leaves = captured_positions(region, vectors)
     if not leaves:
         return {}, None
     narrow = _int32_safe(region, leaves)
