@@ -545,19 +545,20 @@ def causal_alibi(q, k, v, slopes):
 
 @pytest.mark.parametrize(
     "extra,expected",
-    [("none", 0), ("mask", 1), ("bias", 4), ("row_bias", 0), ("sliced_mask", 1)],
-    ids=["no-tensor", "mask", "bias", "broadcast-bias", "sliced-buffer-mask"],
+    [("none", 0), ("mask", 1), ("bias", 4), ("row_bias", 0), ("sliced_mask", 1), ("padding_rows", 0)],
+    ids=["no-tensor", "mask", "bias", "broadcast-bias", "sliced-buffer-mask", "padding-vectors"],
 )
 def test_configs_are_told_the_bytes_the_chain_reads_per_score(monkeypatch, extra, expected):
     """A [M, N] mask (1 byte) or float32 bias (4) is read at every score, and so is a longer mask the chain slices
-    to the scores (GPT-2's ``bias[:, :, :T, :T]`` buffer); a bias broadcast over rows is not."""
+    to the scores (GPT-2's ``bias[:, :, :T, :T]`` buffer); a bias broadcast over rows is not, nor is one row of a
+    ``[B, N]`` padding tensor however many rows it has."""
     from inductor_overlay.kernel import online_softmax_attention as kernel
 
     seen, original = [], kernel.kernel_configs
     monkeypatch.setattr(kernel, "kernel_configs", lambda *args, **kw: seen.append(kw["element_bytes"]) or original(*args, **kw))
     q, k, v = (torch.randn(1, 2, 40, 16) for _ in range(3))
     tensors = {"none": None, "mask": torch.rand(40, 40) > 0.3, "bias": torch.randn(2, 40, 40), "row_bias": torch.randn(2, 1, 40),
-               "sliced_mask": torch.rand(1, 1, 56, 56) > 0.3}
+               "sliced_mask": torch.rand(1, 1, 56, 56) > 0.3, "padding_rows": torch.rand(48, 40) > 0.3}
 
     def program(q, k, v, t):
         scores = q @ k.transpose(-2, -1)
@@ -565,6 +566,8 @@ def test_configs_are_told_the_bytes_the_chain_reads_per_score(monkeypatch, extra
             return torch.softmax(scores, dim=-1) @ v
         if t.dim() == 4:
             t = t[:, :, : q.shape[-2], : k.shape[-2]]
+        if t.shape[0] == 48:
+            t = t[:1, None, None, :]
         return torch.softmax(scores.masked_fill(~t, float("-inf")) if t.dtype == torch.bool else scores + t, dim=-1) @ v
 
     out, code = compile_on_cpu(program, q, k, v, tensors[extra], fresh_cache=True)

@@ -228,6 +228,29 @@ def test_every_written_form_trains_fused_and_matches_eager(name, form):
         testing.assert_close_to_reference(leaf.grad, reference.grad)
 
 
+@pytest.mark.parametrize("form,pipelined", [("sliced_buffer_mask", False), ("captured_positions", True)])
+def test_a_sliced_buffer_mask_is_read_per_score_in_the_backward(monkeypatch, form, pipelined):
+    """A mask buffer longer than the sequence and sliced to it (GPT-2's ``bias[:, :, :T, :T]``) is read at every score
+    like a mask passed in: the backward's loops run unpipelined (Triton 3.6's pipeliner fails on them at rows of
+    2048 and more); positions read as vectors keep the stages they are given."""
+    import re
+
+    from inductor_overlay.kernel import attention_backward
+
+    original = attention_backward.backward_configs
+    monkeypatch.setattr(attention_backward, "backward_configs", lambda *a, **kw: [dict(c, num_stages=2) for c in original(*a, **kw)])
+    variant = FORMS["forms_causal"]
+    q, k, v, extras = variants.make_inputs(variant, variants.Shape(B=1, H=2, M=40, N=40, D=16))
+    leaves = [t.requires_grad_(True) for t in (q, k, v)]
+    with testing.cpu_triton(), config.patch(sdpa_pattern_policy="flashlight", fault_containment=False):
+        torch._dynamo.reset()
+        _, code = testing.run_keeping_graphs_and_get_code(
+            lambda: torch.compile(variant.idioms[form])(*leaves, **extras).sum().backward()
+        )
+    assert any("grad_scores" in text for text in testing.triton_kernels(code).values())
+    assert ("num_stages=2" in re.findall(r"num_stages=\d+", "\n".join(code))) == pipelined
+
+
 @pytest.mark.parametrize(
     "name,form,says",
     [

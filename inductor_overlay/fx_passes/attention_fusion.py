@@ -351,7 +351,9 @@ def fuse(
             for table in cells
         ),
     )
-    per_logit = training and config.affine_positions and bool(captured_positions(region, _position_vectors(region, reads, skippable)))
+    # (Where inference would compute consecutive positions from the tile: ``speculates`` but for training.)
+    per_logit = training and config.affine_positions and region.softmax and region.sink is None and region.pair is None
+    per_logit = per_logit and group_coefficients is None and bool(captured_positions(region, _position_vectors(region, reads, skippable)))
     log.info("attention at %s: %s", region.pv.name, describe_tiles(chain, positions_per_logit=per_logit))
     if region.pair is not None:
         _hoist_before(region.pair.values, anchor)

@@ -145,15 +145,19 @@ def _template_of(source: str) -> TritonTemplate:
     return TritonTemplate(name=f"flashlight_attention_{digest}", grid=_grid, source=source)
 
 
-def _score_sized_bytes(captured: Sequence[Any], m: Any, n: Any) -> int:
+def _score_sized_bytes(captured: Sequence[Any], m: Any, n: Any, rank: int) -> int:
     """Bytes per score element of the captured tensors the chain reads at every (m, n): a [.., M, N] mask or bias
-    (not broadcast over rows or columns), or a longer one the chain slices to the scores (GPT-2's ``[1, 1, L, L]``
-    buffer read as ``bias[:, :, :T, :T]``)."""
+    (not broadcast over rows or columns), or a longer one of the scores' ``rank`` or more that the chain slices to
+    them (GPT-2's ``[1, 1, L, L]`` buffer read as ``bias[:, :, :T, :T]``; a ``[B, N]`` vector or a distance table is
+    not one, however many rows it has)."""
     total = 0
+    sizevars = V.graph.sizevars
     for tensor in captured:
         size, stride = tensor.get_size(), tensor.get_stride()
+        longer = len(size) >= rank
         full = len(size) >= 2 and all(
-            V.graph.sizevars.statically_known_geq(size[dim], extent) and stride[dim] != 0
+            (sizevars.statically_known_equals(size[dim], extent) or longer and sizevars.statically_known_geq(size[dim], extent))
+            and stride[dim] != 0
             for dim, extent in ((-2, m), (-1, n))
         )
         total += tensor.get_dtype().itemsize if full else 0
@@ -310,7 +314,8 @@ def kernel_configs(
         # 13% and 7% less time at 8×16×2048×128 and 16×16×1024×128 than 2 stages throughout
         # (h100_2026-11-23_additive_masks/sweeps/partial_stages_*.txt). A table over a mask the partial loop does not
         # read per score keeps every stage there: two lost 20% on BLOOM's ALiBi bias (all its tiles are partial) and
-        # 3% on HF's decoder mask at 8×16×2048×128 (results/written_forms/tile_sweeps.txt).
+        # 3% on HF's decoder mask at 8×16×2048×128, and won 3–6% on key padding's forms, whose partial tiles are
+        # few (results/written_forms/tile_sweeps.txt, results.csv).
         visible_stages = _fitting_stages(shapes[0], d, dv, 0, shared_bytes)[3]
         partial_stages = min(2, _fitting_stages(shapes[0], d, dv, element_bytes, shared_bytes)[3])
         configs[0] = dict(configs[0], num_stages=visible_stages, partial_stages=partial_stages)
@@ -676,7 +681,7 @@ def _lower_attention(q, kt, v, captured, sink, chain, group_coefficients=None, p
     logit_scale, sink_scale = LOG2E * chain.folded_scale, chain.sink_scale * LOG2E
     tiny_logit_scale = _power_of_two_below(logit_scale)
     choices: list[Any] = []
-    element_bytes, columns = _score_sized_bytes(captured, m, n), V.graph.sizevars.size_hint(n)
+    element_bytes, columns = _score_sized_bytes(captured, m, n, len(chain.batch_shape) + 2), V.graph.sizevars.size_hint(n)
     # A chain whose tiles a mask may skip keeps the tiles its mask's rules give it, however light its arithmetic.
     skips_tiles = _skips_tiles(masked_tile, visible_tile, id_subgraphs, table_subgraph)
     configs = kernel_configs(
