@@ -443,6 +443,10 @@ def test_tile_configs_are_autotuned_only_under_max_autotune_by_default():
     computed = [kernel.kernel_configs(128, 128, cuda, columns=n, visible_loop=True, mask_table=True)[0] for n in (1024, 2048)]
     assert computed == [dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3), long_biased[0]]
     assert "partial_stages" not in kernel.kernel_configs(64, 64, cuda, columns=2048, visible_loop=True, mask_table=True)[0]
+    # A float32 bias read per score beside the mask: the visible loop still reads it, and gets the stages that fit.
+    beside_bias = kernel.kernel_configs(128, 128, cuda, element_bytes=5, columns=2048, visible_loop=True, mask_table=True,
+                                        visible_element_bytes=4)[0]
+    assert beside_bias == dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=1, partial_stages=1)
     # At head dim 64, a table over a mask broadcast over the rows (key padding, a [H, 1, N] bias) takes 128×64 with
     # 8 warps over rows longer than 1024; a mask that varies along the rows keeps 64×64.
     rows_alike = lambda n: kernel.kernel_configs(64, 64, cuda, columns=n, visible_loop=True, mask_table=True, mask_rows_alike=True)[0]  # noqa: E731
@@ -573,6 +577,27 @@ def test_configs_are_told_the_bytes_the_chain_reads_per_score(monkeypatch, extra
     out, code = compile_on_cpu(program, q, k, v, tensors[extra], fresh_cache=True)
     assert seen == [expected]
     testing.assert_close_to_reference(out, reference(program, q, k, v, tensors[extra]))
+
+
+def test_the_visible_loop_is_told_what_it_still_reads_per_score(monkeypatch):
+    """Beside a mask tensor the visible loop drops, a bias read per score stays in it: the configs are told both
+    (all the bytes, and those of the visible loop), so that its stages fit shared memory."""
+    from inductor_overlay.kernel import online_softmax_attention as kernel
+
+    seen, original = [], kernel.kernel_configs
+    monkeypatch.setattr(kernel, "kernel_configs", lambda *args, **kw: seen.append(
+        (kw["element_bytes"], kw["visible_element_bytes"])) or original(*args, **kw))
+    q, k, v = (torch.randn(1, 2, 40, 16) for _ in range(3))
+    bias, keep = torch.randn(1, 2, 56, 56), torch.ones(40, 40, dtype=torch.bool).tril()
+
+    def program(q, k, v, bias, keep):
+        scores = q @ k.transpose(-2, -1) + bias[:, :, : q.shape[-2], : k.shape[-2]]
+        return torch.softmax(scores.masked_fill(~keep, float("-inf")), dim=-1) @ v
+
+    out, code = compile_on_cpu(program, q, k, v, bias, keep, fresh_cache=True)
+    assert seen == [(5, 4)]
+    assert "for start_n in range(full_lo, full_hi" in "\n".join(testing.triton_kernels(code).values())
+    testing.assert_close_to_reference(out, reference(program, q, k, v, bias, keep))
 
 
 @pytest.mark.parametrize("mask_shape,alike", [((2, 1, 1, 40), True), ((1, 1, 40, 40), False), ((2, 1, 40), True)],

@@ -164,6 +164,15 @@ def _score_sized_bytes(captured: Sequence[Any], m: Any, n: Any, rank: int) -> in
     return total
 
 
+def _read_by(chain: torch.fx.GraphModule, captured: Sequence[Any]) -> list:
+    """The captured tensors a chain module (inputs: the scores, the captured tensors, sizes) reads; all of them
+    should its inputs not line up with ``captured``."""
+    inputs = [node for node in chain.graph.nodes if node.op == "placeholder"][1:]
+    if len(inputs) < len(captured):
+        return list(captured)
+    return [tensor for tensor, node in zip(captured, inputs) if node.users]
+
+
 def _size_for_chain(size: Any, score_size: Sequence[Any]) -> Any:
     """A size the score chain computes with: symbolic when it is one of the scores' dims, else specialised."""
     if any(V.graph.sizevars.statically_known_equals(size, dim) for dim in score_size):
@@ -214,6 +223,7 @@ def kernel_configs(
     d: int, dv: int, device: torch.device, pair_channels: int = 0, element_bytes: int = 0,
     columns: int = 0, visible_loop: bool = False, mask_table: bool = False, shared_v_heads: int = 1,
     gathers: bool = False, chain_weight: str = "heavy", id_mask: bool = False, mask_rows_alike: bool = False,
+    visible_element_bytes: int = 0,
 ) -> list[dict[str, int]]:
     """Tile sizes to autotune over (BLOCK_M, BLOCK_N, warps, stages), pruned by the head dims (QK, V), by the
     channels of a pair reduction, and by the shared memory left beside the tiles of score-sized tensors the chain
@@ -224,7 +234,8 @@ def kernel_configs(
     chain reads a tensor at an index it computes per logit (``gathers``: T5's distance table), and by the chain's
     per-logit work (``chain_weight``, ``attention_fusion.score_chain_weight``: none, arithmetic alone, or more; "heavy" for any
     chain that is masked, not 16-bit or not a softmax), and by whether a
-    run-time summary of id masks decides the tiles (``id_mask``: document ids). The first is
+    run-time summary of id masks decides the tiles (``id_mask``: document ids); a mask table's visible loop gets
+    the stages that fit beside what it still reads per score (``visible_element_bytes``). The first is
     the one compiled alone outside max-autotune (``config.tile_autotuning``): the config that won most often for
     its case on the H100."""
     if device.type != "cuda" or _interpreting():
@@ -316,7 +327,7 @@ def kernel_configs(
         # read per score keeps every stage there: two lost 20% on BLOOM's ALiBi bias (all its tiles are partial) and
         # 3% on HF's decoder mask at 8×16×2048×128, and won 3–6% on key padding's forms, whose partial tiles are
         # few (results/written_forms/tile_sweeps.txt, results.csv).
-        visible_stages = _fitting_stages(shapes[0], d, dv, 0, shared_bytes)[3]
+        visible_stages = _fitting_stages(shapes[0], d, dv, visible_element_bytes, shared_bytes)[3]
         partial_stages = min(2, _fitting_stages(shapes[0], d, dv, element_bytes, shared_bytes)[3])
         configs[0] = dict(configs[0], num_stages=visible_stages, partial_stages=partial_stages)
     return configs
@@ -681,13 +692,17 @@ def _lower_attention(q, kt, v, captured, sink, chain, group_coefficients=None, p
     logit_scale, sink_scale = LOG2E * chain.folded_scale, chain.sink_scale * LOG2E
     tiny_logit_scale = _power_of_two_below(logit_scale)
     choices: list[Any] = []
-    element_bytes, columns = _score_sized_bytes(captured, m, n, len(chain.batch_shape) + 2), V.graph.sizevars.size_hint(n)
+    score_rank = len(chain.batch_shape) + 2
+    element_bytes, columns = _score_sized_bytes(captured, m, n, score_rank), V.graph.sizevars.size_hint(n)
+    # The loop over entirely visible tiles runs the chain without the mask it drops: what it still reads per score.
+    unmasked = chain.unmasked_graph_module if visible_loop else None
+    visible_bytes = element_bytes if unmasked is None else _score_sized_bytes(_read_by(unmasked, captured), m, n, score_rank)
     # A chain whose tiles a mask may skip keeps the tiles its mask's rules give it, however light its arithmetic.
     skips_tiles = _skips_tiles(masked_tile, visible_tile, id_subgraphs, table_subgraph)
     configs = kernel_configs(
         d, dv, device, channels, element_bytes=element_bytes, columns=columns, visible_loop=visible_loop,
         mask_table=chain.mask_table_module is not None, shared_v_heads=groups if shared_v else 1,
-        gathers=chain.gathers, mask_rows_alike=chain.mask_rows_alike,
+        gathers=chain.gathers, mask_rows_alike=chain.mask_rows_alike, visible_element_bytes=visible_bytes,
         chain_weight=chain.chain_weight if chain.softmax and not fp32_dot and not skips_tiles else "heavy",
         id_mask=id_subgraphs is not None,
     )
