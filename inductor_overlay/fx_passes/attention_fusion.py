@@ -281,11 +281,12 @@ def fuse(
     if summarise_tensors and tensor_mask is None and id_mask is None and skippable is None:
         # (A bias that is a position mask, ``x + triu(full(-inf), 1)``, already skips by its formula.)
         additive_mask = matched_additive_mask(region.chain, region.logits, region.score_root)
-    mask_table = None
+    mask_table, mask_rows_alike = None, False
     if tensor_mask is not None or additive_mask is not None:
         mask = tensor_mask or additive_mask
         key = ("tensor", tensor_mask.term, tensor_mask.negated) if tensor_mask else ("additive", additive_mask.bias)
         mask_table = _shared_table(graph, key, lambda: _mask_table(graph, region, mask), anchor)
+        mask_rows_alike = _broadcast_over_rows(key[1])
     if mask_table is not None:
         region = dataclasses.replace(region, captured=[*region.captured, mask_table])
     cells = _position_cell_tables(graph, region, reads, anchor) if reads_vectors(skippable) else None
@@ -294,9 +295,10 @@ def fuse(
     drops_mask_loads = (tensor_mask is not None and tensor_mask.alone) or additive_mask is not None
     droppable = [*mask_nodes, *([id_mask.where] if id_mask is not None and id_mask.alone else [])]
     droppable += [tensor_mask.where if tensor_mask else additive_mask.add] if drops_mask_loads else []
-    # Differences of captured positions taken in float32 speculate like the finite guards (not in training: the
-    # backward recomputes the chain exactly).
-    speculates = not training and region.softmax and region.sink is None and region.pair is None and group_coefficients is None
+    # Differences of captured positions taken in float32 speculate like the finite guards where the kernel may redo
+    # a row tile exactly (not in training: the backward recomputes the chain exactly).
+    redoable = region.softmax and region.sink is None and region.pair is None and group_coefficients is None
+    speculates = not training and redoable
     firsts, affine_flag = {}, None
     if config.affine_positions and speculates:
         with graph.inserting_before(anchor):
@@ -341,7 +343,7 @@ def fuse(
         batch_fastest=_batch_fastest(region, score_shape),
         chain_weight=score_chain_weight(chain_module),
         gathers=reads_gathers(chain_module),
-        mask_rows_alike=mask_table is not None and _broadcast_over_rows(tensor_mask.term if tensor_mask else additive_mask.bias),
+        mask_rows_alike=mask_rows_alike,
         mask_table_module=None if mask_table is None else _chain_value_module(
             region, mask_table, [*(score_shape[:-2] or [1]), *_table_cells(score_shape, mask_table)]
         ),
@@ -351,9 +353,10 @@ def fuse(
             for table in cells
         ),
     )
-    # (Where inference would compute consecutive positions from the tile: ``speculates`` but for training.)
-    per_logit = training and config.affine_positions and region.softmax and region.sink is None and region.pair is None
-    per_logit = per_logit and group_coefficients is None and bool(captured_positions(region, _position_vectors(region, reads, skippable)))
+    # (Where inference would compute consecutive positions from the tile.)
+    per_logit = training and redoable and config.affine_positions and bool(
+        captured_positions(region, _position_vectors(region, reads, skippable))
+    )
     log.info("attention at %s: %s", region.pv.name, describe_tiles(chain, positions_per_logit=per_logit))
     if region.pair is not None:
         _hoist_before(region.pair.values, anchor)

@@ -230,7 +230,7 @@ def online_softmax_attention_backward_lowering(
     logit_scale = LOG2E * chain.folded_scale
     choices: list[Any] = []
     configs = backward_configs(d, dv, device, chain.id_graph_modules is not None)
-    if _score_sized_bytes(captured, m, n, len(chain.batch_shape) + 2) > 0:
+    if _score_sized_bytes(captured, chain, m, n) > 0:
         # A mask or bias read per element: Triton 3.6's pipeliner fails in make_llir on this kernel at rows of 2048
         # and more (a boolean mask tensor on the H200; 1024 compiled): its loops run unpipelined. (Pipelining only
         # the loop over entirely visible tiles, which reads no mask, measured 0.82× and 0.98× for HF's decoder mask,

@@ -145,12 +145,12 @@ def _template_of(source: str) -> TritonTemplate:
     return TritonTemplate(name=f"flashlight_attention_{digest}", grid=_grid, source=source)
 
 
-def _score_sized_bytes(captured: Sequence[Any], m: Any, n: Any, rank: int) -> int:
-    """Bytes per score element of the captured tensors the chain reads at every (m, n): a [.., M, N] mask or bias
-    (not broadcast over rows or columns), or a longer one of the scores' ``rank`` or more that the chain slices to
+def _score_sized_bytes(captured: Sequence[Any], chain: Any, m: Any, n: Any) -> int:
+    """Bytes per score element of the captured tensors ``chain`` reads at every (m, n): a [.., M, N] mask or bias
+    (not broadcast over rows or columns), or a longer one of the scores' rank or more that the chain slices to
     them (GPT-2's ``[1, 1, L, L]`` buffer read as ``bias[:, :, :T, :T]``; a ``[B, N]`` vector or a distance table is
     not one, however many rows it has)."""
-    total = 0
+    total, rank = 0, len(chain.batch_shape) + 2
     sizevars = V.graph.sizevars
     for tensor in captured:
         size, stride = tensor.get_size(), tensor.get_stride()
@@ -165,12 +165,9 @@ def _score_sized_bytes(captured: Sequence[Any], m: Any, n: Any, rank: int) -> in
 
 
 def _read_by(chain: torch.fx.GraphModule, captured: Sequence[Any]) -> list:
-    """The captured tensors a chain module (inputs: the scores, the captured tensors, sizes) reads; all of them
-    should its inputs not line up with ``captured``."""
-    inputs = [node for node in chain.graph.nodes if node.op == "placeholder"][1:]
-    if len(inputs) < len(captured):
-        return list(captured)
-    return [tensor for tensor, node in zip(captured, inputs) if node.users]
+    """The captured tensors a chain module reads (its inputs ``captured_<i>``, ``chain_modules``, that have users)."""
+    unread = {node.name for node in chain.graph.find_nodes(op="placeholder") if not node.users}
+    return [tensor for index, tensor in enumerate(captured) if f"captured_{index}" not in unread]
 
 
 def _size_for_chain(size: Any, score_size: Sequence[Any]) -> Any:
@@ -692,11 +689,10 @@ def _lower_attention(q, kt, v, captured, sink, chain, group_coefficients=None, p
     logit_scale, sink_scale = LOG2E * chain.folded_scale, chain.sink_scale * LOG2E
     tiny_logit_scale = _power_of_two_below(logit_scale)
     choices: list[Any] = []
-    score_rank = len(chain.batch_shape) + 2
-    element_bytes, columns = _score_sized_bytes(captured, m, n, score_rank), V.graph.sizevars.size_hint(n)
+    element_bytes, columns = _score_sized_bytes(captured, chain, m, n), V.graph.sizevars.size_hint(n)
     # The loop over entirely visible tiles runs the chain without the mask it drops: what it still reads per score.
     unmasked = chain.unmasked_graph_module if visible_loop else None
-    visible_bytes = element_bytes if unmasked is None else _score_sized_bytes(_read_by(unmasked, captured), m, n, score_rank)
+    visible_bytes = element_bytes if unmasked is None else _score_sized_bytes(_read_by(unmasked, captured), chain, m, n)
     # A chain whose tiles a mask may skip keeps the tiles its mask's rules give it, however light its arithmetic.
     skips_tiles = _skips_tiles(masked_tile, visible_tile, id_subgraphs, table_subgraph)
     configs = kernel_configs(
