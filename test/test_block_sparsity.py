@@ -498,6 +498,38 @@ def test_autotuning_table_is_the_table_of_a_causal_mask():
     assert torch.equal(causal_cell_states([2, cells, cells], [0, cells, 1])[1], expected)
 
 
+def _reference_cell_states(masked: torch.Tensor) -> torch.Tensor:
+    """0 where no element of a 32×32 cell is masked, 2 where all are, else 1; past the edges, elements count as masked
+    for "all" and as unmasked for "some"."""
+    cell = block_sparsity.MASK_TABLE_CELL
+    *lead, rows, cols = masked.shape
+    cells = [-(-rows // cell), -(-cols // cell)]
+    padding = (0, cells[1] * cell - cols, 0, cells[0] * cell - rows)
+    some = torch.nn.functional.pad(masked, padding, value=False).view(*lead, cells[0], cell, cells[1], cell).amax((-3, -1))
+    every = torch.nn.functional.pad(masked, padding, value=True).view(*lead, cells[0], cell, cells[1], cell).amin((-3, -1))
+    return some.to(torch.int8) + every.to(torch.int8)
+
+
+@pytest.mark.parametrize("negated", [True, False])
+def test_tensor_mask_table_holds_each_cells_state(negated):
+    """The graph's table of a mask tensor is each cell's state exactly: ragged edges, cells masked in a single
+    element, whole cells kept or dropped, and batch dims of the mask's own."""
+    from inductor_overlay.fx_passes import mask_tables
+
+    keep = _random_blocky_mask(2, 100, 70)
+    keep[0, 0, 40, 33] = False  # a cell otherwise whole, masked in one element
+    term = keep if negated else ~keep
+    graph = torch.fx.Graph()
+    placeholder = graph.placeholder("term")
+    placeholder.meta["val"] = term
+    mask = block_sparsity.TensorMask(where=None, term=placeholder, negated=negated, alone=True)
+    graph.output(mask_tables._tensor_mask_table(graph, mask))
+    table = torch.fx.GraphModule(torch.nn.Module(), graph)(term)
+    assert table.dtype == torch.int8
+    assert torch.equal(table, _reference_cell_states(~keep))
+    assert set(table.unique().tolist()) == {0, 1, 2}
+
+
 def key_padding_masked_fill(q, k, v, key_kept):
     scores = q @ k.transpose(-2, -1) / q.shape[-1] ** 0.5
     return torch.softmax(scores.masked_fill(~key_kept[:, None, None, :], float("-inf")), dim=-1) @ v

@@ -2,6 +2,9 @@
 
     PYTHONPATH=. python tools/tile_config_sweep.py causal,alibi 4x32x4096x64 > sweep.txt
     PYTHONPATH=. python tools/tile_config_sweep.py causal_mask_tensor 8x16x2048x128 128x128x8x3x2,128x128x8x2
+    PYTHONPATH=. python tools/tile_config_sweep.py forms_causal:mask_passed_in 1x16x16384x128
+
+A name ``family:form`` times one written form of ``benchmarks/written_forms.py``.
 """
 
 import contextlib
@@ -55,6 +58,16 @@ def time_with_config(fn, config: tuple[int, int, int, int], *args, **kwargs) -> 
         return float("nan")
 
 
+def _variant_and_function(name: str):
+    """A variant of the library and its reference, or (``family:form``) a written form's family and that form."""
+    if ":" not in name:
+        return VARIANTS[name], VARIANTS[name].reference
+    from benchmarks.written_forms import FORMS
+
+    family, form = name.split(":")
+    return FORMS[family], FORMS[family].idioms[form]
+
+
 def main() -> None:
     flashlight.enable()
     print("#", gpu_stamp(), flush=True)
@@ -64,10 +77,10 @@ def main() -> None:
     for shape_text in shapes:
         shape = parse_shape(shape_text)
         for name in variants:
-            variant = VARIANTS[name]
+            variant, fn = _variant_and_function(name)
             q, k, v, extras = make_inputs(variant, shape, device="cuda", dtype=torch.bfloat16)
             for config in chosen or CANDIDATES[shape.D]:
-                ms = time_with_config(variant.reference, config, q, k, v, **extras)
+                ms = time_with_config(fn, config, q, k, v, **extras)
                 m, n, warps, stages, *partial = config
                 partial_text = f" partial_stages={partial[0]}" if partial else ""
                 print(f"{name:12} {shape_text:14} BLOCK_M={m:3} BLOCK_N={n:3} warps={warps} stages={stages}{partial_text}"

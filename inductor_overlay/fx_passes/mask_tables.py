@@ -79,11 +79,15 @@ def _tensor_mask_table(graph: torch.fx.Graph, mask: TensorMask) -> torch.fx.Node
     test."""
     masked = mask.term if not mask.negated else call_op(graph, aten.logical_not.default, (mask.term,))
     masked = call_op(graph, prims.convert_element_type.default, (masked, torch.int8))
-    some_masked, all_masked = (
-        _cells(graph, _cells_of_rows(graph, masked, outside, reduction), outside, reduction)
-        for outside, reduction in ((0, aten.amax.default), (1, aten.amin.default))
-    )
-    return call_op(graph, aten.add.Tensor, (some_masked, all_masked))
+    # Each row's state per cell (0, 1 or 2 as for cells) is one int8 tensor between the two reductions, not two: the
+    # reduction across the rows, which reads it, reads half as much.
+    row_states = call_op(graph, aten.add.Tensor, tuple(
+        _cells_of_rows(graph, masked, outside, reduction) for outside, reduction in ((0, aten.amax.default), (1, aten.amin.default))
+    ))
+    some_masked = call_op(graph, aten.gt.Scalar, (_cells(graph, row_states, 0, aten.amax.default), 0))
+    all_masked = call_op(graph, aten.eq.Scalar, (_cells(graph, row_states, 2, aten.amin.default), 2))
+    as_int8 = [call_op(graph, prims.convert_element_type.default, (flag, torch.int8)) for flag in (some_masked, all_masked)]
+    return call_op(graph, aten.add.Tensor, tuple(as_int8))
 
 
 def _additive_mask_table(graph: torch.fx.Graph, mask: AdditiveMask) -> torch.fx.Node:
