@@ -169,6 +169,15 @@ def chain_from_arguments(subgraphs: dict, decisions: dict) -> ScoreChain:
     return ScoreChain(**{**decisions, **formulas}, **modules)
 
 
+def differentiated_chain(chain: ScoreChain) -> tuple[torch.fx.GraphModule, float]:
+    """The chain (and its folded scale) whose logits the forward's row statistics describe and the backward
+    recomputes: the whole chain where the kernel's loops run a faster form of it (finite guards speculated, captured
+    positions computed from the tile, ``exact_graph_module``), else the chain itself."""
+    if chain.exact_graph_module is not None:
+        return chain.exact_graph_module, chain.exact_folded_scale
+    return chain.graph_module, chain.folded_scale
+
+
 def output_shape(batch_shape, m, dv, groups: int = 1, output_batch=None) -> list:
     """``[*output_batch, M, Dv]``, or ``[Z / groups, M, Dv]`` (Z = prod(batch_shape)) without ``output_batch``."""
     batch = list(output_batch) if output_batch is not None else [math.prod(batch_shape) // groups]
@@ -185,10 +194,7 @@ def _scores(chain: ScoreChain, q, kt) -> torch.Tensor:
 def _probabilities(chain: ScoreChain, q, kt, v, captured, sink, sizes=()) -> torch.Tensor:
     """``[*batch, M, N]`` probabilities as the user's graph computes them (the unfused meaning of the op)."""
     scores = _scores(chain, q, kt)
-    # The whole chain: with finite speculation, the exact one (the kernel's fast chain is checked against it).
-    exact = chain.exact_graph_module is not None
-    module = chain.exact_graph_module if exact else chain.graph_module
-    folded_scale = chain.exact_folded_scale if exact else chain.folded_scale
+    module, folded_scale = differentiated_chain(chain)  # the kernel's fast chain is checked against the whole one
     logits = run_differentiably(module, scores, *captured, *sizes) if torch.is_grad_enabled() else module(scores, *captured, *sizes)
     if folded_scale != 1.0:  # the factor the pass took out of the chain (the kernel applies it with log2(e))
         logits = logits * folded_scale
@@ -351,12 +357,13 @@ def wide_row_scale(row_max: torch.Tensor, logit_scale: float) -> torch.Tensor:
 def _row_statistics(chain: ScoreChain, q, kt, captured, sizes=(), sink=None) -> torch.Tensor:
     scores = _scores(chain, q, kt)
     z, (m, n) = math.prod(chain.batch_shape), scores.shape[-2:]
-    logits = chain.graph_module(scores, *captured, *sizes).float().reshape(z, m, n)
-    logit_scale = LOG2E * chain.folded_scale
+    module, folded_scale = differentiated_chain(chain)
+    logits = module(scores, *captured, *sizes).float().reshape(z, m, n)
+    logit_scale = LOG2E * folded_scale
     if sink is not None:  # the sink is one more column of each row's softmax, in the chain's logit units
-        logits = torch.cat([logits, sink.float().reshape(z, m, 1) * (chain.sink_scale / chain.folded_scale)], -1)
+        logits = torch.cat([logits, sink.float().reshape(z, m, 1) * (chain.sink_scale / folded_scale)], -1)
     if not chain.wide_logits:
-        return torch.logsumexp(logits * chain.folded_scale, -1) * LOG2E
+        return torch.logsumexp(logits * folded_scale, -1) * LOG2E
     row_max = logits.amax(-1)
     known = torch.where(row_max == -math.inf, 0.0, row_max)
     row_scale = wide_row_scale(known, logit_scale)[..., None]
@@ -445,8 +452,9 @@ def _chain_output_gradient(chain: ScoreChain, q, kt, v, captured, sizes, grad_ou
     """The scores and the gradient of the output at ``grad_out`` with respect to the chain's output."""
     scores = _scores(chain, q.detach(), kt.detach())
     with torch.enable_grad():
-        chained = chain.graph_module(scores, *captured, *sizes).detach().requires_grad_()
-        logits = chained * chain.folded_scale if chain.folded_scale != 1.0 else chained
+        module, folded_scale = differentiated_chain(chain)
+        chained = module(scores, *captured, *sizes).detach().requires_grad_()
+        logits = chained * folded_scale if folded_scale != 1.0 else chained
         probabilities = _softmax(chain, logits, sink)
         out = _times_values(chain, probabilities, v.detach())
         (grad,) = torch.autograd.grad(out, chained, grad_out.reshape(out.shape))

@@ -516,8 +516,12 @@ def test_tensor_mask_table_holds_each_cells_state(negated):
     element, whole cells kept or dropped, and batch dims of the mask's own."""
     from inductor_overlay.fx_passes import mask_tables
 
-    keep = _random_blocky_mask(2, 100, 70)
+    cell = block_sparsity.MASK_TABLE_CELL
+    blocks = torch.rand(2, 1, 4, 3, generator=torch.Generator().manual_seed(0)) < 0.5
+    blocks[0, 0, 1, 1], blocks[1, 0, 2, 0] = True, False
+    keep = blocks.repeat_interleave(cell, -2).repeat_interleave(cell, -1)[..., :100, :70].clone()
     keep[0, 0, 40, 33] = False  # a cell otherwise whole, masked in one element
+    keep[1, 0, 70, 5] = True  # a cell otherwise masked, kept in one element
     term = keep if negated else ~keep
     graph = torch.fx.Graph()
     placeholder = graph.placeholder("term")

@@ -47,7 +47,7 @@ def test_captured_positions_bound_tiles_from_their_cells(form):
     """The causal mask over captured positions becomes a formula over the values read at the rows and columns; the
     pre-pass bounds them per tile from per-cell bounds summarised once per call, skips the tiles above the diagonal
     (poisoned values there never reach the rows that do not see them) and runs the tiles below it without the mask.
-    Consecutive positions (checked per call) are computed from the tile's own; others run the chain that reads them."""
+    Positions a mask alone reads are read per tile, not computed from the tile (``_position_vectors``)."""
     variant = FORMS["forms_causal"]
     q, k, v, extras = variants.make_inputs(variant, variants.Shape(B=1, H=2, M=128, N=128, D=16))
     poisoned = v.clone()
@@ -56,10 +56,8 @@ def test_captured_positions_bound_tiles_from_their_cells(form):
     kernel = _kernel(code)
     FileCheck().check("row_pos_lo = tl.min(tl.broadcast_to(row_cell_lo").check("for scan_n in range(").check(
         "col_pos_lo = tl.min(tl.broadcast_to(col_cell_lo, [SCAN_TILES, CELLS_N]), 1)"
-    ).check("masked = (").check("row_pos_hi").check("visible = ~masked &").check("if positions_affine:").check(
-        "speculation_failed"
-    ).run(kernel)
-    assert testing.column_tile_loops(kernel) == 3, "the visible tiles' loop, the partial tiles', the exact chain's"
+    ).check("masked = (").check("row_pos_hi").check("visible = ~masked &").check_not("positions_affine").run(kernel)
+    assert testing.column_tile_loops(kernel) == 2, "the visible tiles' loop and the partial tiles'"
     expected = variant.reference(q.double(), k.double(), v.double(), **_float64(extras))
     testing.assert_close_to_reference(out[..., :64, :], expected[..., :64, :])
 
@@ -98,24 +96,27 @@ def test_alibi_over_consecutive_captured_positions_computes_them_from_the_tile()
 
 def test_a_limit_of_another_origin_keeps_64_bit_positions():
     """A window whose limit is a 0-d int64 tensor above 2^32 (or a huge Python number) must meet the positions in
-    64 bits, as in eager: the consecutive positions are not narrowed to 32 bits there."""
+    64 bits, as in eager: the consecutive positions (computed from the tile for the ALiBi-like difference beside
+    the window) are not narrowed to 32 bits there."""
     position = torch.arange(64)
     limit = torch.tensor([2**32 + 10])
 
+    def windowed(s, bound):
+        distance = position[None, :] - position[:, None]
+        s = s + 0.125 * distance.float()
+        return s.masked_fill((position[None, :] > position[:, None]) | ((position[:, None] - position[None, :]) >= bound), float("-inf"))
+
     def fn(q, k, v, limit):
-        s = q @ k.transpose(-1, -2) * 0.25
         window = limit.sum()  # a 0-d int64 tensor computed in the graph
-        s = s.masked_fill((position[None, :] > position[:, None]) | ((position[:, None] - position[None, :]) >= window), float("-inf"))
-        return s.softmax(-1) @ v
+        return windowed(q @ k.transpose(-1, -2) * 0.25, window).softmax(-1) @ v
 
     def huge(q, k, v, limit):
-        s = q @ k.transpose(-1, -2) * 0.25
-        s = s.masked_fill((position[None, :] > position[:, None]) | ((position[:, None] - position[None, :]) >= 2**62), float("-inf"))
-        return s.softmax(-1) @ v
+        return windowed(q @ k.transpose(-1, -2) * 0.25, 2**62).softmax(-1) @ v
 
     q, k, v = (torch.randn(1, 2, 64, 16) for _ in range(3))
     for program in (fn, huge):
-        out, _ = _compile(program, q, k, v, limit)
+        out, code = _compile(program, q, k, v, limit)
+        FileCheck().check("if positions_affine:").run(_kernel(code))
         testing.assert_close_to_reference(out, program(q.double(), k.double(), v.double(), limit))
 
 
@@ -268,13 +269,13 @@ def test_the_fusion_log_says_how_tiles_are_chosen(name, form, says, caplog):
     with caplog.at_level(logging.INFO, logger="flashlight"):
         _compile(variant.idioms[form], q, k, v, **extras)
     assert says in caplog.text
-    assert "training: positions read" not in caplog.text
+    assert "the backward reads the positions" not in caplog.text
 
 
 @pytest.mark.parametrize("form,slower", [("captured_positions", True), ("in_function", False)])
 def test_the_fusion_log_says_when_training_reads_positions_per_logit(form, slower, caplog):
-    """In training, captured positions are read and converted per logit in both passes (the check that computes
-    consecutive ones from the tile is for inference): the log says so where it applies, and only there."""
+    """In training, the backward reads captured positions and converts them per logit (the forward computes
+    consecutive ones from the tile): the log says so where it applies, and only there."""
     import logging
 
     variant = FORMS["forms_alibi"]
@@ -284,4 +285,41 @@ def test_the_fusion_log_says_when_training_reads_positions_per_logit(form, slowe
         torch._dynamo.reset()
         torch.compile(variant.idioms[form])(*leaves, **extras).sum().backward()
     assert "attention at" in caplog.text
-    assert ("training: positions read from memory and converted per logit" in caplog.text) == slower
+    assert ("the backward reads the positions from memory and converts them per logit" in caplog.text) == slower
+
+
+def _distance_bias_causal(q, k, v, position):
+    """A bias over captured positions with a constant slope (no floating tensor read: the rows' statistics are the
+    narrow ones), under a causal mask over the same positions."""
+    scores = (q @ k.transpose(-2, -1) * q.shape[-1] ** -0.5).float() + 0.25 * (position[None, :] - position[:, None])
+    return torch.softmax(scores.masked_fill(position[None, :] > position[:, None], float("-inf")), -1).to(q.dtype) @ v
+
+
+@pytest.mark.parametrize("kind", ["consecutive", "strided", "permuted"])
+def test_training_forward_computes_consecutive_captured_positions_from_the_tile(kind):
+    """In training the forward computes consecutive captured positions from its own tile positions and, where they
+    are not consecutive, redoes each row tile with the chain that reads them, keeping the rows' statistics in the
+    units the backward reads; the backward always reads them. Gradients match float64 eager either way."""
+    from torch._dynamo.utils import counters
+
+    position = {"consecutive": torch.arange(80) + 5, "strided": torch.arange(80) * 2 - 7,
+                "permuted": torch.randperm(80, generator=torch.Generator().manual_seed(0))}[kind]
+    generator = torch.Generator().manual_seed(1)
+    leaves = [torch.randn(2, 2, 80, 16, generator=generator).requires_grad_(True) for _ in range(3)]
+    grad = torch.randn(2, 2, 80, 16, generator=generator)
+    counters.clear()
+    with testing.cpu_triton(), config.patch(sdpa_pattern_policy="flashlight", fault_containment=False):
+        torch._dynamo.reset()
+        out, code = testing.run_keeping_graphs_and_get_code(
+            lambda: torch.compile(_distance_bias_causal)(*leaves, position)
+        )
+        out.backward(grad)
+    assert counters["inductor"]["flashlight_attention_fused_for_training"] == 1
+    (forward,) = [text for text in testing.triton_kernels(code).values() if "positions_affine" in text]
+    FileCheck().check("if positions_affine:").check("speculation_failed = ").check("tl.store(LSE").run(forward)
+    exact = [t.detach().double().requires_grad_(True) for t in leaves]
+    expected = _distance_bias_causal(*exact, position)
+    expected.backward(grad.double())
+    testing.assert_close_to_reference(out, expected)
+    for leaf, reference in zip(leaves, exact):
+        testing.assert_close_to_reference(leaf.grad, reference.grad)

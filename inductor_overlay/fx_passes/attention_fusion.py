@@ -11,7 +11,6 @@ import math
 import operator
 from typing import Any, Optional
 
-import sympy
 import torch
 from torch._dynamo.utils import counters
 
@@ -59,7 +58,6 @@ from inductor_overlay.fx_passes.chain_modules import (
     _reroute_size_reads,
     _score_chain_module,
     affine_positions,
-    captured_positions,
     position_differences,
 )
 from inductor_overlay.fx_passes.mask_tables import _mask_table, _shared_table, _table_cells, position_cells
@@ -118,15 +116,14 @@ def _position_reads(region: AttentionRegion) -> Optional[PositionReads]:
     return PositionReads(region.score_root, readable)
 
 
-def _position_vectors(region: AttentionRegion, reads: Optional[PositionReads], formula: Any) -> list:
-    """The position vectors worth computing from the tile's own positions when they are consecutive: those a mask
-    orders or subtracts (not an equality alone: ids and padding masks are rarely consecutive), and the operands of
-    a difference of positions read as float32 (ALiBi's ``pos[n] - pos[m]``)."""
+def _position_vectors(region: AttentionRegion) -> list:
+    """The position vectors worth computing from the tile's own positions when they are consecutive: the operands
+    of a difference of positions read as float32 (ALiBi's ``pos[n] - pos[m]``, an int64 subtraction and conversion
+    per logit). Positions a mask alone reads stay read: a vector per tile, compared only on partial tiles; computing
+    them cost 2–5% on causal and prefix-LM masks over captured positions and gained nothing on windows (H100,
+    bf16, forward, 8×16×2048×128 and 4×32×4096×64, and 9% on a causal forward in training at 2×16×8192×128,
+    2026-11-27, results/written_forms/affine_positions.txt)."""
     vectors = []
-    if reads is not None and reads_vectors(formula) and formula.atoms(sympy.core.relational.Relational) - formula.atoms(
-        sympy.Eq, sympy.Ne
-    ):
-        vectors += [node for node in (reads.rows, reads.columns) if node is not None]
     for difference in position_differences(region):
         vectors += [arg for arg in difference.args[:2] if isinstance(arg, torch.fx.Node)]
     return vectors
@@ -295,14 +292,14 @@ def fuse(
     drops_mask_loads = (tensor_mask is not None and tensor_mask.alone) or additive_mask is not None
     droppable = [*mask_nodes, *([id_mask.where] if id_mask is not None and id_mask.alone else [])]
     droppable += [tensor_mask.where if tensor_mask else additive_mask.add] if drops_mask_loads else []
-    # Differences of captured positions taken in float32 speculate like the finite guards where the kernel may redo
-    # a row tile exactly (not in training: the backward recomputes the chain exactly).
+    # Captured positions computed from the tile where they are consecutive speculate like the finite guards, where
+    # the kernel may redo a row tile exactly. In training too: the forward's redo keeps the rows' statistics in the
+    # units the backward reads, and the backward recomputes the chain that reads the positions (``ops.differentiated_chain``).
     redoable = region.softmax and region.sink is None and region.pair is None and group_coefficients is None
-    speculates = not training and redoable
     firsts, affine_flag = {}, None
-    if config.affine_positions and speculates:
+    if config.affine_positions and redoable:
         with graph.inserting_before(anchor):
-            firsts, affine_flag = affine_positions(graph, region, _position_vectors(region, reads, skippable))
+            firsts, affine_flag = affine_positions(graph, region, _position_vectors(region))
     if affine_flag is not None:
         region = dataclasses.replace(region, captured=[*region.captured, *firsts.values(), affine_flag])
     if firsts and not guards:
@@ -353,11 +350,7 @@ def fuse(
             for table in cells
         ),
     )
-    # (Where inference would compute consecutive positions from the tile.)
-    per_logit = training and redoable and config.affine_positions and bool(
-        captured_positions(region, _position_vectors(region, reads, skippable))
-    )
-    log.info("attention at %s: %s", region.pv.name, describe_tiles(chain, positions_per_logit=per_logit))
+    log.info("attention at %s: %s", region.pv.name, describe_tiles(chain, training=training))
     if region.pair is not None:
         _hoist_before(region.pair.values, anchor)
     groups = 1 if group_coefficients is None else _val(group_coefficients).numel()
@@ -397,11 +390,11 @@ def fuse(
     return result
 
 
-def describe_tiles(chain: ScoreChain, positions_per_logit: bool = False) -> str:
+def describe_tiles(chain: ScoreChain, training: bool = False) -> str:
     """How the kernel decides which tiles to visit, for the fusion log: what a user reads to see why one written
-    form of a mask skips tiles and another does not; ``positions_per_logit``: in training, positions read from
-    memory that inference would compute from the tile where they are consecutive (``affine_positions``) are read
-    and converted per logit, in both passes."""
+    form of a mask skips tiles and another does not; in ``training``, positions read from memory that the forward
+    computes from the tile where they are consecutive (``affine_positions``) are read and converted per logit in
+    the backward."""
     parts = []
     if chain.masked_formula is not None:
         read = " (positions read from memory, bounded per tile from their values)" if reads_vectors(chain.masked_formula) else ""
@@ -410,8 +403,8 @@ def describe_tiles(chain: ScoreChain, positions_per_logit: bool = False) -> str:
         parts.append("document ids bounded per tile at run time")
     if chain.mask_table_module is not None:
         parts.append("a mask tensor summarised per call into cells of 32x32 (a read of the whole mask)")
-    per_logit = "; training: positions read from memory and converted per logit (inference computes consecutive ones from the tile)"
-    per_logit = per_logit if positions_per_logit else ""
+    per_logit = "; the backward reads the positions from memory and converts them per logit (the forward computes consecutive ones from the tile)"
+    per_logit = per_logit if training and chain.affine_graph_module is not None else ""
     if not parts:
         return "every tile visited (no mask whose tiles the analysis can bound)" + per_logit
     split = chain.unmasked_graph_module is not None

@@ -333,8 +333,15 @@ def _backward_visible_loop(chain: ops.ScoreChain) -> bool:
     that drops the mask, as the forward does (the caller adds: not with captured gradients, whose reads stay per
     logit). Not where the forward keeps wide statistics (finite logits too large to scale, e.g. a finfo.min mask):
     there the loop lost 20% on a key-padding mask and 3% on HF's decoder mask, where every other mask gained 1–37%
-    (H100, bf16, 4×32×4096×64, backward kernel, 2026-11-27, results/training/bench_backward_visible_loop.txt)."""
-    return config.backward_visible_loop and chain.unmasked_graph_module is not None and not chain.wide_logits
+    (H100, bf16, 4×32×4096×64, backward kernel, 2026-11-27, results/training/bench_backward_visible_loop.txt). Nor
+    where the chain without its masks reads what the whole chain does not (the first values of captured positions
+    the forward computes from the tile): that form is not the one the backward runs."""
+    return (config.backward_visible_loop and chain.unmasked_graph_module is not None and not chain.wide_logits
+            and (chain.exact_graph_module is None or _inputs_read(chain.unmasked_graph_module) <= _inputs_read(chain.exact_graph_module)))
+
+
+def _inputs_read(module: torch.fx.GraphModule) -> set:
+    return {node.name for node in module.graph.find_nodes(op="placeholder") if node.users}
 
 
 def _insert_backward(region: AttentionRegion, matched: RegionBackward, fwd: TrainingForward) -> None:
@@ -342,7 +349,7 @@ def _insert_backward(region: AttentionRegion, matched: RegionBackward, fwd: Trai
     graph = region.pv.graph
     score_shape = list(_val(region.score_root).shape)
     z, m, dv = math.prod(score_shape[:-2]) if len(score_shape) > 2 else 1, score_shape[-2], _val(region.pv).shape[-1]
-    chain = fwd.chain.graph_module
+    chain, _ = ops.differentiated_chain(fwd.chain)
     examples = [_val(region.score_root), *(_val(c) for c in fwd.captured)]
     vjp = chain_vjp_module(chain, examples)
     reads = _gradient_reads(region, matched, chain)

@@ -133,6 +133,8 @@ def _reads_as_float32(user: torch.fx.Node, node: torch.fx.Node) -> bool:
     if not _is(user, (aten.mul.Tensor, aten.add.Tensor, aten.sub.Tensor)) or user.kwargs.get("alpha", 1) != 1:
         return False
     others = [arg for arg in user.args[:2] if arg is not node]
+    if len(others) == 1 and isinstance(others[0], float):  # ``0.25 * distance``: computed in float32, converted first
+        return _val(user) is not None and _val(user).dtype is torch.float32
     return len(others) == 1 and isinstance(others[0], torch.fx.Node) and _val(others[0]) is not None and (
         _val(others[0]).dtype is torch.float32
     )

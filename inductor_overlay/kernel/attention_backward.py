@@ -156,7 +156,9 @@ def online_softmax_attention_backward_lowering(
     device, captured, (m, d, n, dv), batch_shape, z, score_size = score_problem(q, kt, v, captured, chain)
     chain_inputs = [*captured, *(_size_for_chain(size, score_size) for size in sizes)]
     fast_tanh = approximates_tanh(device)
-    logits = _lower_score_chain(chain.graph_module, chain.score_dtype, score_size, device, chain_inputs, fast_tanh)
+    # The chain the forward's row statistics describe (the whole one where the forward's loops ran a faster form).
+    chain_module, folded_scale = fused_ops.differentiated_chain(chain)
+    logits = _lower_score_chain(chain_module, chain.score_dtype, score_size, device, chain_inputs, fast_tanh)
     # The derivative reads the gradient of the logits as one more tile-shaped input, after the chain's own.
     vjp_module = fused_ops._module(chain_vjp)
     grad_logits = ir.TensorBox.create(
@@ -227,7 +229,7 @@ def online_softmax_attention_backward_lowering(
         ranks, masked_tile, chain.wide_logits, chain.id_graph_modules is not None, table, captured_grads, positions,
         visible_tile, chain.softmax,
     )
-    logit_scale = LOG2E * chain.folded_scale
+    logit_scale = LOG2E * folded_scale
     choices: list[Any] = []
     configs = backward_configs(d, dv, device, chain.id_graph_modules is not None)
     if _score_sized_bytes(captured, chain, m, n) > 0:
@@ -251,7 +253,7 @@ def online_softmax_attention_backward_lowering(
             DV_TILE=_tile(dv),
             LOGIT_SCALE=logit_scale,
             TINY_LOGIT_SCALE=_power_of_two_below(logit_scale),
-            FOLDED_SCALE=chain.folded_scale,
+            FOLDED_SCALE=folded_scale,
             SCAN_TILES=16,
             POSITION_DTYPE="tl.int64" if wide else "tl.int32",
             DOT_PRECISION="'tf32'" if fp32_dot and torch.backends.cuda.matmul.allow_tf32 else "'ieee'",
