@@ -350,7 +350,8 @@ def fuse(
             for table in cells
         ),
     )
-    log.info("attention at %s: %s", region.pv.name, describe_tiles(chain, training=training))
+    table = "an additive mask or bias tensor" if additive_mask is not None else "a mask tensor"
+    log.info("attention at %s: %s", region.pv.name, describe_tiles(chain, training=training, table=table))
     if region.pair is not None:
         _hoist_before(region.pair.values, anchor)
     groups = 1 if group_coefficients is None else _val(group_coefficients).numel()
@@ -390,11 +391,12 @@ def fuse(
     return result
 
 
-def describe_tiles(chain: ScoreChain, training: bool = False) -> str:
+def describe_tiles(chain: ScoreChain, training: bool = False, table: str = "a mask tensor") -> str:
     """How the kernel decides which tiles to visit, for the fusion log: what a user reads to see why one written
-    form of a mask skips tiles and another does not; in ``training``, positions read from memory that the forward
-    computes from the tile where they are consecutive (``affine_positions``) are read and converted per logit in
-    the backward."""
+    form of a mask skips tiles and another does not (``table``: what a mask table summarises); in ``training``,
+    positions read from memory that the forward computes from the tile where they are consecutive
+    (``affine_positions``) are read and converted per logit in the backward; and whether the rows' running max
+    stays in the logits' own units (a floating tensor read, whose values may come near -FLT_MAX)."""
     parts = []
     if chain.masked_formula is not None:
         read = " (positions read from memory, bounded per tile from their values)" if reads_vectors(chain.masked_formula) else ""
@@ -402,9 +404,12 @@ def describe_tiles(chain: ScoreChain, training: bool = False) -> str:
     if chain.id_graph_modules is not None:
         parts.append("document ids bounded per tile at run time")
     if chain.mask_table_module is not None:
-        parts.append("a mask tensor summarised per call into cells of 32x32 (a read of the whole mask)")
+        parts.append(f"{table} summarised per call into cells of 32x32 (a read of the whole tensor)")
     per_logit = "; the backward reads the positions from memory and converts them per logit (the forward computes consecutive ones from the tile)"
     per_logit = per_logit if training and chain.affine_graph_module is not None else ""
+    if chain.wide_logits:
+        per_logit += ("; the rows' running max kept in the logits' own units with a scale per row (a floating tensor "
+                      "is read whose values may come near -FLT_MAX)")
     if not parts:
         return "every tile visited (no mask whose tiles the analysis can bound)" + per_logit
     split = chain.unmasked_graph_module is not None
