@@ -169,6 +169,11 @@ def chain_from_arguments(subgraphs: dict, decisions: dict) -> ScoreChain:
     return ScoreChain(**{**decisions, **formulas}, **modules)
 
 
+def inputs_read(module: torch.fx.GraphModule) -> set:
+    """The names of a chain module's inputs that it reads (``captured_<i>`` for the captured tensors)."""
+    return {node.name for node in module.graph.find_nodes(op="placeholder") if node.users}
+
+
 def differentiated_chain(chain: ScoreChain) -> tuple[torch.fx.GraphModule, float]:
     """The chain (and its folded scale) whose logits the forward's row statistics describe and the backward
     recomputes: the whole chain where the kernel's loops run a faster form of it (finite guards speculated, captured

@@ -405,16 +405,17 @@ def describe_tiles(chain: ScoreChain, training: bool = False, table: str = "a ma
         parts.append("document ids bounded per tile at run time")
     if chain.mask_table_module is not None:
         parts.append(f"{table} summarised per call into cells of 32x32 (a read of the whole tensor)")
-    per_logit = "; the backward reads the positions from memory and converts them per logit (the forward computes consecutive ones from the tile)"
-    per_logit = per_logit if training and chain.affine_graph_module is not None else ""
+    notes = ""
+    if training and chain.affine_graph_module is not None:
+        notes += "; the backward reads the positions from memory and converts them per logit (the forward computes consecutive ones from the tile)"
     if chain.wide_logits:
-        per_logit += ("; the rows' running max kept in the logits' own units with a scale per row (a floating tensor "
-                      "is read whose values may come near -FLT_MAX)")
+        notes += ("; the rows' running max kept in the logits' own units with a scale per row (a floating tensor "
+                  "is read whose values may come near -FLT_MAX)")
     if not parts:
-        return "every tile visited (no mask whose tiles the analysis can bound)" + per_logit
+        return "every tile visited (no mask whose tiles the analysis can bound)" + notes
     split = chain.unmasked_graph_module is not None
     parts.append("entirely visible tiles run without the mask" if split else "every visited tile runs the whole chain")
-    return "; ".join(parts) + per_logit
+    return "; ".join(parts) + notes
 
 
 def _output_batch(batch: tuple, groups: int, dv: Any) -> Optional[list[int]]:

@@ -337,11 +337,8 @@ def _backward_visible_loop(chain: ops.ScoreChain) -> bool:
     where the chain without its masks reads what the whole chain does not (the first values of captured positions
     the forward computes from the tile): that form is not the one the backward runs."""
     return (config.backward_visible_loop and chain.unmasked_graph_module is not None and not chain.wide_logits
-            and (chain.exact_graph_module is None or _inputs_read(chain.unmasked_graph_module) <= _inputs_read(chain.exact_graph_module)))
-
-
-def _inputs_read(module: torch.fx.GraphModule) -> set:
-    return {node.name for node in module.graph.find_nodes(op="placeholder") if node.users}
+            and (chain.exact_graph_module is None
+                 or ops.inputs_read(chain.unmasked_graph_module) <= ops.inputs_read(chain.exact_graph_module)))
 
 
 def _insert_backward(region: AttentionRegion, matched: RegionBackward, fwd: TrainingForward) -> None:

@@ -103,7 +103,6 @@ def online_softmax_attention_template(
     stores_lse: bool = False,
     position_subgraphs: Optional[tuple[Optional[int], Optional[int]]] = None,
     affine_subgraph: Optional[int] = None,
-    redo_wide: bool = True,
 ) -> TritonTemplate:
     """The kernel template (``templates/online_softmax_attention.py.jinja``) for operands with the given numbers of
     batch dims (q, kᵀ, v and, if there is a fourth, the sink), position mask (tests for entirely masked and entirely
@@ -114,15 +113,13 @@ def online_softmax_attention_template(
     -FLT_MAX (the wide running max), and the subgraph of the whole chain when the loops run it without its finite
     guards (speculation), or None; ``shared_v``: the heads of a group share one pass (a softmax with no sink, pair
     reduction, id mask or mask table); ``stores_lse``: the kernel also writes the rows' log-sum-exp (training; one
-    head, a softmax); ``redo_wide``: the exact redo keeps its running max in the logits' own units (a chain whose
-    guards were speculated may give logits near ±FLT_MAX), else in the units of the fast loops and the statistics."""
+    head, a softmax; there the exact redo is for captured positions alone, no guards being speculated)."""
     names, ranks = _kernel_inputs(batch_ranks, groups, shared_v, pair_rank, stores_lse)
     # What the lowerings make: speculation only for a softmax with no sink or pair reduction, no head groups in
     # training or with a pair reduction.
     assert exact_subgraph is None or (softmax and pair_rank is None and "SINK" not in names)
     assert pair_rank is None or groups == 1
-    # (Training redoes a row tile only for captured positions that are not consecutive: in the statistics' units.)
-    assert not stores_lse or (softmax and groups == 1 and pair_rank is None and (exact_subgraph is None or redo_wide == wide_logits))
+    assert not stores_lse or (softmax and groups == 1 and pair_rank is None)
     if shared_v:
         assert softmax and groups > 1 and id_subgraphs is None and table_subgraph is None and "SINK" not in names
         assert position_subgraphs is None
@@ -136,7 +133,7 @@ def online_softmax_attention_template(
         softmax=softmax, sink="SINK" in names, pair=pair_rank is not None, groups=groups, shared_v=shared_v,
         masked_tile=masked_tile_code, visible_tile=visible_tile_code, ids=id_subgraphs, table=table_subgraph,
         wide=wide_logits, exact_chain=exact_subgraph, stores_lse=stores_lse, positions=position_subgraphs,
-        affine=affine_subgraph, redo_wide=redo_wide,
+        affine=affine_subgraph,
     )
     return _template_of(source)
 
@@ -168,9 +165,9 @@ def _score_sized_bytes(captured: Sequence[Any], chain: Any, m: Any, n: Any) -> i
 
 
 def _read_by(chain: torch.fx.GraphModule, captured: Sequence[Any]) -> list:
-    """The captured tensors a chain module reads (its inputs ``captured_<i>``, ``chain_modules``, that have users)."""
-    unread = {node.name for node in chain.graph.find_nodes(op="placeholder") if not node.users}
-    return [tensor for index, tensor in enumerate(captured) if f"captured_{index}" not in unread]
+    """The captured tensors a chain module reads (its inputs ``captured_<i>``, ``chain_modules``)."""
+    read = fused_ops.inputs_read(chain)
+    return [tensor for index, tensor in enumerate(captured) if f"captured_{index}" in read]
 
 
 def _size_for_chain(size: Any, score_size: Sequence[Any]) -> Any:
@@ -688,8 +685,6 @@ def _lower_attention(q, kt, v, captured, sink, chain, group_coefficients=None, p
         ranks, masked_tile, chain.softmax, groups, visible_tile, pair_rank,
         tuple(output_batch) if output_batch is not None else (0,), id_subgraphs, table_subgraph, chain.wide_logits,
         exact_subgraph, shared_v, stores_lse, position_subgraphs, affine_subgraph,
-        # In training the redo is for captured positions alone (no guards are speculated): the statistics' units.
-        chain.wide_logits if stores_lse else True,
     )
     if stores_lse and exact_subgraph is not None and chain.exact_folded_scale != chain.folded_scale:
         raise RuntimeError("the fast and the whole chain fold different scales: the rows' statistics would not match")
