@@ -19,6 +19,7 @@ from benchmarks import programs, variants
 from flashlight import testing
 from inductor_overlay import config
 from inductor_overlay.fx_passes import attention_training
+from inductor_overlay.kernel import attention_backward, online_softmax_attention
 
 counters = torch._dynamo.utils.counters
 
@@ -131,6 +132,38 @@ def test_half_precision_training_matches_eager_and_passes_the_gpu_front_end(name
     assert_matches_eager(variant.reference, operands, extras, out, grads, grad)
     assert_fused_training(code, 2 * 40 * 40)
     testing.check_gpu_front_end(code)
+
+
+def test_a_chain_that_gathers_takes_wider_backward_tiles_at_head_dim_128(monkeypatch):
+    """T5's distance table read per logit: the backward's first config at head dim 128 is 64×128 / 128×64 with 8
+    warps (the others keep 64×64); the lowering tells the configs that the chain gathers."""
+    cuda = torch.device("cuda")
+    wide = dict(BLOCK_M1=64, BLOCK_N1=128, BLOCK_M2=128, BLOCK_N2=64, num_warps=8, num_stages=3)
+    assert attention_backward.backward_configs(128, 128, cuda, gathers=True)[0] == wide
+    assert attention_backward.backward_configs(128, 128, cuda)[0]["BLOCK_N1"] == 64
+    assert attention_backward.backward_configs(64, 64, cuda, gathers=True) == attention_backward.backward_configs(64, 64, cuda)
+    told = []
+    original = attention_backward.backward_configs
+    monkeypatch.setattr(attention_backward, "backward_configs", lambda *a, **kw: told.append(a[4:]) or original(*a, **kw))
+    variant = variants.VARIANTS["t5_bias"]
+    operands, extras = operands_of(variant, variants.Shape(B=1, H=2, M=24, N=24, D=16))
+    out, grads, grad, code = train_on_cpu(variant.reference, operands, extras)
+    assert_matches_eager(variant.reference, operands, extras, out, grads, grad)
+    assert told == [(True,)]
+
+
+def test_a_bias_read_through_a_permute_counts_as_score_sized(monkeypatch):
+    """Hugging Face T5's bias reaches the chain as ``[M, N, H]``, permuted there: its tiles take shared memory in
+    every pipeline stage like a ``[H, M, N]`` bias's, which the forward's configs leave room for (they asked for
+    more than the H100 has, and the graph fell back to upstream, when the bias was not counted)."""
+    told = []
+    original = online_softmax_attention.kernel_configs
+    monkeypatch.setattr(online_softmax_attention, "kernel_configs", lambda *a, **kw: told.append(kw) or original(*a, **kw))
+    variant = variants.VARIANTS["t5_hf"]
+    operands, extras = operands_of(variant, variants.Shape(B=1, H=2, M=24, N=24, D=16))
+    out, grads, grad, code = train_on_cpu(variant.reference, operands, extras)
+    assert_matches_eager(variant.reference, operands, extras, out, grads, grad)
+    assert [kw["element_bytes"] for kw in told] == [4]
 
 
 SDPA_ROUTE = {"sdpa_pattern_policy": "unmasked_sdpa", "sdpa_route_devices": ("cpu",)}

@@ -76,12 +76,18 @@ def _template_of(source: str) -> TritonTemplate:
     return TritonTemplate(name=f"flashlight_attention_backward_{digest}", grid=_grid, source=source)
 
 
-def backward_configs(d: int, dv: int, device: torch.device, id_mask: bool = False) -> list[dict[str, int]]:
+def backward_configs(
+    d: int, dv: int, device: torch.device, id_mask: bool = False, gathers: bool = False
+) -> list[dict[str, int]]:
     """(BLOCK_M1, BLOCK_N1): the row tiles a column program steps through and its column tile; (BLOCK_M2,
     BLOCK_N2): a row program's row tile and the column tiles it steps through; warps and stages. The first is the
     one compiled outside max-autotune. From a sweep on an H200 (bf16, 4×16×2048, causal, soft-cap and document ids;
     benchmarks/results/h200_2026-11-26_training/tile_sweep.txt): 64×64 tiles won at both head dims, by 6–23% at 64
-    and 13–40% at 128, except under an id mask at head dim 64, where 32×128 skips finer along the rows (27%)."""
+    and 13–40% at 128, except under an id mask at head dim 64, where 32×128 skips finer along the rows (27%). A
+    chain that gathers per logit (T5's distance table) at head dim 128 takes 64×128 column and 128×64 row tiles
+    with 8 warps and 3 stages: 8–10% less time forward + backward at 2×16×8192×128 and 8×16×2048×128, where the
+    other variants gained at most 5% or lost up to 5% (H100, bf16, 2026-11-27,
+    results/training/backward_tiles_h100.txt)."""
     if device.type != "cuda" or _interpreting():
         return [dict(BLOCK_M1=16, BLOCK_N1=16, BLOCK_M2=16, BLOCK_N2=16, num_warps=4, num_stages=1)]
     if overlay_config.backward_tiles:
@@ -91,7 +97,9 @@ def backward_configs(d: int, dv: int, device: torch.device, id_mask: bool = Fals
         if id_mask:
             shapes.sort(key=lambda shape: shape != (32, 128, 128, 32, 4, 3))
     elif max(d, dv) <= 128:
-        shapes = [(64, 64, 64, 64, 4, 2), (32, 64, 64, 32, 4, 3), (32, 128, 128, 32, 8, 2)]
+        shapes = [(64, 64, 64, 64, 4, 2), (32, 64, 64, 32, 4, 3), (32, 128, 128, 32, 8, 2), (64, 128, 128, 64, 8, 3)]
+        if gathers:
+            shapes.sort(key=lambda shape: shape != (64, 128, 128, 64, 8, 3))
     else:
         shapes = [(32, 64, 64, 32, 4, 1), (16, 64, 64, 16, 4, 1)]
     return [
@@ -231,7 +239,7 @@ def online_softmax_attention_backward_lowering(
     )
     logit_scale = LOG2E * folded_scale
     choices: list[Any] = []
-    configs = backward_configs(d, dv, device, chain.id_graph_modules is not None)
+    configs = backward_configs(d, dv, device, chain.id_graph_modules is not None, chain.gathers)
     if _score_sized_bytes(captured, chain, m, n) > 0:
         # A mask or bias read per element: Triton 3.6's pipeliner fails in make_llir on this kernel at rows of 2048
         # and more (a boolean mask tensor on the H200; 1024 compiled): its loops run unpipelined. (Pipelining only

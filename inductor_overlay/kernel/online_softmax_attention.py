@@ -148,8 +148,9 @@ def _template_of(source: str) -> TritonTemplate:
 def _score_sized_bytes(captured: Sequence[Any], chain: Any, m: Any, n: Any) -> int:
     """Bytes per score element of the captured tensors ``chain`` reads at every (m, n): a [.., M, N] mask or bias
     (not broadcast over rows or columns), or a longer one of the scores' rank or more that the chain slices to
-    them (GPT-2's ``[1, 1, L, L]`` buffer read as ``bias[:, :, :T, :T]``; a ``[B, N]`` vector or a distance table is
-    not one, however many rows it has)."""
+    them (GPT-2's ``[1, 1, L, L]`` buffer read as ``bias[:, :, :T, :T]``), or one with M and N on other dims that
+    the chain permutes to them (Hugging Face T5's ``[M, N, H]`` bias); a ``[B, N]`` vector or a distance table is
+    not one, however many rows it has."""
     total, rank = 0, len(chain.batch_shape) + 2
     sizevars = V.graph.sizevars
     for tensor in captured:
@@ -160,7 +161,12 @@ def _score_sized_bytes(captured: Sequence[Any], chain: Any, m: Any, n: Any) -> i
             and stride[dim] != 0
             for dim, extent in ((-2, m), (-1, n))
         )
-        total += tensor.get_dtype().itemsize if full else 0
+        permuted = len(size) > 2 and any(
+            sizevars.statically_known_equals(size[i], m) and sizevars.statically_known_equals(size[j], n)
+            and stride[i] != 0 and stride[j] != 0
+            for i in range(len(size)) for j in range(i + 1, len(size))
+        )
+        total += tensor.get_dtype().itemsize if full or permuted else 0
     return total
 
 
@@ -209,9 +215,12 @@ def _shared_memory_bytes(device: torch.device) -> int:
 
 def _fitting_stages(config: tuple[int, int, int, int], d: int, dv: int, element_bytes: int, shared_bytes: int) -> tuple[int, int, int, int]:
     """The config with its pipeline stages cut until its shared memory fits: each stage holds a K and a V tile
-    (16-bit) and the score-sized tensors' tiles the chain reads (``element_bytes`` per score), beside the Q tile."""
+    (16-bit) and the score-sized tensors' tiles the chain reads (``element_bytes`` per score), beside the Q tile
+    and one more such tile, through which the loaded one changes layout (a float32 bias [H, M, N] at 128×64 and
+    3 stages asked for 262144 bytes, 32768 more than the rest: over the H100's 232448)."""
     m, n, warps, stages = config
-    while stages > 1 and stages * n * (2 * (d + dv) + m * element_bytes) + 2 * m * d > shared_bytes:
+    conversion = m * n * element_bytes
+    while stages > 1 and stages * n * (2 * (d + dv) + m * element_bytes) + 2 * m * d + conversion > shared_bytes:
         stages -= 1
     return m, n, warps, stages
 
