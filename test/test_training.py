@@ -7,6 +7,7 @@ stores the rows' statistics, a backward kernel with its two loops (dK and dV per
 user's chain and its derivative inside, and no buffer as large as the score matrix in either graph.
 """
 
+import inspect
 import logging
 import math
 import re
@@ -136,7 +137,7 @@ def test_half_precision_training_matches_eager_and_passes_the_gpu_front_end(name
 
 def test_a_chain_that_gathers_takes_wider_backward_tiles_at_head_dim_128(monkeypatch):
     """T5's distance table read per logit: the backward's first config at head dim 128 is 64×128 / 128×64 with 8
-    warps (the others keep 64×64); the lowering tells the configs that the chain gathers."""
+    warps (the others keep 64×64); the lowering tells the configs that the chain gathers (16-bit operands)."""
     cuda = torch.device("cuda")
     wide = dict(BLOCK_M1=64, BLOCK_N1=128, BLOCK_M2=128, BLOCK_N2=64, num_warps=8, num_stages=3)
     assert attention_backward.backward_configs(128, 128, cuda, gathers=True)[0] == wide
@@ -144,18 +145,26 @@ def test_a_chain_that_gathers_takes_wider_backward_tiles_at_head_dim_128(monkeyp
     assert attention_backward.backward_configs(64, 64, cuda, gathers=True) == attention_backward.backward_configs(64, 64, cuda)
     told = []
     original = attention_backward.backward_configs
-    monkeypatch.setattr(attention_backward, "backward_configs", lambda *a, **kw: told.append(a[4:]) or original(*a, **kw))
+    signature = inspect.signature(original)
+
+    def recording(*args, **kwargs):
+        told.append(signature.bind(*args, **kwargs).arguments.get("gathers"))
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(attention_backward, "backward_configs", recording)
     variant = variants.VARIANTS["t5_bias"]
     operands, extras = operands_of(variant, variants.Shape(B=1, H=2, M=24, N=24, D=16))
     out, grads, grad, code = train_on_cpu(variant.reference, operands, extras)
     assert_matches_eager(variant.reference, operands, extras, out, grads, grad)
-    assert told == [(True,)]
+    operands, extras = operands_of(variant, variants.Shape(B=1, H=2, M=24, N=24, D=16), dtype=torch.bfloat16)
+    train_on_cpu(variant.reference, operands, extras)
+    assert told == [False, True]  # float32 operands keep the default tiles
 
 
 def test_a_bias_read_through_a_permute_counts_as_score_sized(monkeypatch):
-    """Hugging Face T5's bias reaches the chain as ``[M, N, H]``, permuted there: its tiles take shared memory in
-    every pipeline stage like a ``[H, M, N]`` bias's, which the forward's configs leave room for (they asked for
-    more than the H100 has, and the graph fell back to upstream, when the bias was not counted)."""
+    """Hugging Face T5's bias reaches the chain as ``[M, N, H]``, permuted there: it is read per score like a
+    ``[H, M, N]`` bias, and the forward's configs count it so (uncounted, 128×128 tiles with three stages ask for
+    more shared memory than the H100 has)."""
     told = []
     original = online_softmax_attention.kernel_configs
     monkeypatch.setattr(online_softmax_attention, "kernel_configs", lambda *a, **kw: told.append(kw) or original(*a, **kw))

@@ -85,7 +85,7 @@ def backward_configs(
     benchmarks/results/h200_2026-11-26_training/tile_sweep.txt): 64×64 tiles won at both head dims, by 6–23% at 64
     and 13–40% at 128, except under an id mask at head dim 64, where 32×128 skips finer along the rows (27%). A
     chain that gathers per logit (T5's distance table) at head dim 128 takes 64×128 column and 128×64 row tiles
-    with 8 warps and 3 stages: 8–10% less time forward + backward at 2×16×8192×128 and 8×16×2048×128, where the
+    with 8 warps and 3 stages: 7.5–10% less time forward + backward at 2×16×8192×128 and 8×16×2048×128, where the
     other variants gained at most 5% or lost up to 5% (H100, bf16, 2026-11-27,
     results/training/backward_tiles_h100.txt)."""
     if device.type != "cuda" or _interpreting():
@@ -239,7 +239,9 @@ def online_softmax_attention_backward_lowering(
     )
     logit_scale = LOG2E * folded_scale
     choices: list[Any] = []
-    configs = backward_configs(d, dv, device, chain.id_graph_modules is not None, chain.gathers)
+    # (The wider tiles for a chain that gathers were measured on 16-bit operands.)
+    gathers = chain.gathers and q.get_dtype() in (torch.float16, torch.bfloat16)
+    configs = backward_configs(d, dv, device, chain.id_graph_modules is not None, gathers)
     if _score_sized_bytes(captured, chain, m, n) > 0:
         # A mask or bias read per element: Triton 3.6's pipeliner fails in make_llir on this kernel at rows of 2048
         # and more (a boolean mask tensor on the H200; 1024 compiled): its loops run unpipelined. (Pipelining only

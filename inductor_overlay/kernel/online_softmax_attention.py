@@ -215,12 +215,9 @@ def _shared_memory_bytes(device: torch.device) -> int:
 
 def _fitting_stages(config: tuple[int, int, int, int], d: int, dv: int, element_bytes: int, shared_bytes: int) -> tuple[int, int, int, int]:
     """The config with its pipeline stages cut until its shared memory fits: each stage holds a K and a V tile
-    (16-bit) and the score-sized tensors' tiles the chain reads (``element_bytes`` per score), beside the Q tile
-    and one more such tile, through which the loaded one changes layout (a float32 bias [H, M, N] at 128×64 and
-    3 stages asked for 262144 bytes, 32768 more than the rest: over the H100's 232448)."""
+    (16-bit) and the score-sized tensors' tiles the chain reads (``element_bytes`` per score), beside the Q tile."""
     m, n, warps, stages = config
-    conversion = m * n * element_bytes
-    while stages > 1 and stages * n * (2 * (d + dv) + m * element_bytes) + 2 * m * d + conversion > shared_bytes:
+    while stages > 1 and stages * n * (2 * (d + dv) + m * element_bytes) + 2 * m * d > shared_bytes:
         stages -= 1
     return m, n, warps, stages
 
