@@ -244,10 +244,12 @@ def online_softmax_attention_backward_lowering(
     configs = backward_configs(d, dv, device, chain.id_graph_modules is not None, gathers)
     if _score_sized_bytes(captured, chain, m, n) > 0:
         # A mask or bias read per element: Triton 3.6's pipeliner fails in make_llir on this kernel at rows of 2048
-        # and more (a boolean mask tensor on the H200; 1024 compiled): its loops run unpipelined. (Pipelining only
-        # the loop over entirely visible tiles, which reads no mask, measured 0.82× and 0.98× for HF's decoder mask,
-        # 1.03× for a boolean mask tensor: H100, bf16, forward + backward, 4×32×4096×64 and 2×16×8192×128,
-        # 2026-11-27, results/training/bench_mask_tensor_stages.txt.)
+        # and more (a boolean mask tensor on the H200; 1024 compiled): its loops run unpipelined. (The failure is a
+        # cp.async of 1 byte: the loops' tile starts have no known alignment. With tl.multiple_of on them every loop
+        # pipelines, and ran no faster on HF's decoder mask and a boolean mask tensor; pipelining only the loop over
+        # entirely visible tiles, which reads no mask, measured 0.82× and 0.98× for HF's decoder mask, 1.03× for a
+        # boolean mask tensor: H100, bf16, forward + backward, 4×32×4096×64 and 2×16×8192×128, 2026-11-27,
+        # results/training/bench_mask_tensor_stages.txt, backward_split_h100.txt.)
         configs = [dict(config, num_stages=1) for config in configs]
     for config in _autotuned(configs):
         error = template.maybe_append_choice(
