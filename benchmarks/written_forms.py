@@ -242,3 +242,9 @@ FORMS: dict[str, Variant] = {
         ),
     )
 }
+
+
+def form_variant(name: str) -> Variant:
+    """``family:form``: the family's variant with that form as its only idiom (its ``reference``)."""
+    family, form = name.split(":")
+    return dataclasses.replace(FORMS[family], idioms={form: FORMS[family].idioms[form]})

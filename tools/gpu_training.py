@@ -192,14 +192,12 @@ def program_rows(program) -> list[str]:
 
 def written_form_rows(forms: list[str], shapes: list[Shape]) -> list[str]:
     """``--forms=family:form,...``: forms of ``benchmarks/written_forms.py`` checked and timed one at a time."""
-    import dataclasses
-
-    from benchmarks.written_forms import FORMS
+    from benchmarks.written_forms import form_variant
 
     rows = []
-    for family, form in (text.split(":") for text in forms):
-        variant = dataclasses.replace(FORMS[family], idioms={form: FORMS[family].idioms[form]})
-        rows.append(f"{family} {form} {check(variant)}")
+    for name in forms:
+        variant = form_variant(name)
+        rows.append(f"{name.replace(':', ' ')} {check(variant)}")
         for shape in shapes:
             rows += [f"  {shape.B}x{shape.H}x{shape.M}x{shape.D} bf16 forward+backward", *bench(variant, shape)]
     return rows

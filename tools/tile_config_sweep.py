@@ -58,14 +58,13 @@ def time_with_config(fn, config: tuple[int, int, int, int], *args, **kwargs) -> 
         return float("nan")
 
 
-def _variant_and_function(name: str):
-    """A variant of the library and its reference, or (``family:form``) a written form's family and that form."""
+def _variant(name: str):
+    """A variant of the library, or (``family:form``) a written form as a variant of its own."""
     if ":" not in name:
-        return VARIANTS[name], VARIANTS[name].reference
-    from benchmarks.written_forms import FORMS
+        return VARIANTS[name]
+    from benchmarks.written_forms import form_variant
 
-    family, form = name.split(":")
-    return FORMS[family], FORMS[family].idioms[form]
+    return form_variant(name)
 
 
 def main() -> None:
@@ -77,10 +76,10 @@ def main() -> None:
     for shape_text in shapes:
         shape = parse_shape(shape_text)
         for name in variants:
-            variant, fn = _variant_and_function(name)
+            variant = _variant(name)
             q, k, v, extras = make_inputs(variant, shape, device="cuda", dtype=torch.bfloat16)
             for config in chosen or CANDIDATES[shape.D]:
-                ms = time_with_config(fn, config, q, k, v, **extras)
+                ms = time_with_config(variant.reference, config, q, k, v, **extras)
                 m, n, warps, stages, *partial = config
                 partial_text = f" partial_stages={partial[0]}" if partial else ""
                 print(f"{name:12} {shape_text:14} BLOCK_M={m:3} BLOCK_N={n:3} warps={warps} stages={stages}{partial_text}"

@@ -314,6 +314,8 @@ def fuse(
     exact_module, exact_scale = None, 1.0
     if guards or firsts:
         exact_module, _, exact_scale = _folded_chains(region, _score_chain_module(region), None, fills)
+        if training and exact_scale != folded_scale:  # the forward's row statistics are in the whole chain's units
+            raise RuntimeError("the fast and the whole chain fold different scales: the rows' statistics would not match")
     chain = ScoreChain(
         graph_module=chain_module,
         batch_shape=tuple(score_shape[:-2]) or (1,),
@@ -350,8 +352,7 @@ def fuse(
             for table in cells
         ),
     )
-    table = "an additive mask or bias tensor" if additive_mask is not None else "a mask tensor"
-    log.info("attention at %s: %s", region.pv.name, describe_tiles(chain, training=training, table=table))
+    log.info("attention at %s: %s", region.pv.name, describe_tiles(chain, training, additive_mask is not None))
     if region.pair is not None:
         _hoist_before(region.pair.values, anchor)
     groups = 1 if group_coefficients is None else _val(group_coefficients).numel()
@@ -391,9 +392,10 @@ def fuse(
     return result
 
 
-def describe_tiles(chain: ScoreChain, training: bool = False, table: str = "a mask tensor") -> str:
+def describe_tiles(chain: ScoreChain, training: bool, additive: bool) -> str:
     """How the kernel decides which tiles to visit, for the fusion log: what a user reads to see why one written
-    form of a mask skips tiles and another does not (``table``: what a mask table summarises); in ``training``,
+    form of a mask skips tiles and another does not (``additive``: the mask table summarises an additive mask or a
+    bias); in ``training``,
     positions read from memory that the forward computes from the tile where they are consecutive
     (``affine_positions``) are read and converted per logit in the backward; and whether the rows' running max
     stays in the logits' own units (a floating tensor read, whose values may come near -FLT_MAX)."""
@@ -404,6 +406,7 @@ def describe_tiles(chain: ScoreChain, training: bool = False, table: str = "a ma
     if chain.id_graph_modules is not None:
         parts.append("document ids bounded per tile at run time")
     if chain.mask_table_module is not None:
+        table = "an additive mask or bias tensor" if additive else "a mask tensor"
         parts.append(f"{table} summarised per call into cells of 32x32 (a read of the whole tensor)")
     notes = ""
     if training and chain.affine_graph_module is not None:

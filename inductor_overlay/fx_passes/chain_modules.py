@@ -140,7 +140,7 @@ def _reads_as_float32(user: torch.fx.Node, node: torch.fx.Node) -> bool:
     )
 
 
-def captured_positions(region: AttentionRegion, vectors: list) -> list:
+def _captured_positions(region: AttentionRegion, vectors: list) -> list:
     """The captured integer tensors the position ``vectors`` (nodes of the chain) are read from that may hold
     consecutive values (``affine_positions`` checks them per call)."""
     leaves = []
@@ -161,7 +161,7 @@ def affine_positions(graph: torch.fx.Graph, region: AttentionRegion, vectors: li
     of them holds consecutive values along its last dim (``first + 0, 1, 2, ...``: ``arange`` made once outside,
     a buffer of it sliced, HF's ``position_ids``). Where that holds, the chain may compute them from the tile's own
     positions (``_score_chain_module``'s ``affine``); where it does not, the kernel runs the exact chain."""
-    leaves = captured_positions(region, vectors)
+    leaves = _captured_positions(region, vectors)
     if not leaves:
         return {}, None
     narrow = _int32_safe(region, leaves)

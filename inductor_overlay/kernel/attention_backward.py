@@ -27,6 +27,7 @@ from inductor_overlay import ops as fused_ops
 from inductor_overlay.kernel import template_files, tile_tests
 from inductor_overlay.kernel.online_softmax_attention import (
     LOG2E,
+    _16_BIT_FLOATS,
     _autotuned,
     _batch_offset,
     _divides,
@@ -97,9 +98,10 @@ def backward_configs(
         if id_mask:
             shapes.sort(key=lambda shape: shape != (32, 128, 128, 32, 4, 3))
     elif max(d, dv) <= 128:
-        shapes = [(64, 64, 64, 64, 4, 2), (32, 64, 64, 32, 4, 3), (32, 128, 128, 32, 8, 2), (64, 128, 128, 64, 8, 3)]
+        wide_gather = (64, 128, 128, 64, 8, 3)
+        shapes = [(64, 64, 64, 64, 4, 2), (32, 64, 64, 32, 4, 3), (32, 128, 128, 32, 8, 2), wide_gather]
         if gathers:
-            shapes.sort(key=lambda shape: shape != (64, 128, 128, 64, 8, 3))
+            shapes.sort(key=lambda shape: shape != wide_gather)
     else:
         shapes = [(32, 64, 64, 32, 4, 1), (16, 64, 64, 16, 4, 1)]
     return [
@@ -240,8 +242,10 @@ def online_softmax_attention_backward_lowering(
     logit_scale = LOG2E * folded_scale
     choices: list[Any] = []
     # (The wider tiles for a chain that gathers were measured on 16-bit operands.)
-    gathers = chain.gathers and q.get_dtype() in (torch.float16, torch.bfloat16)
-    configs = backward_configs(d, dv, device, chain.id_graph_modules is not None, gathers)
+    configs = backward_configs(
+        d, dv, device, id_mask=chain.id_graph_modules is not None,
+        gathers=chain.gathers and q.get_dtype() in _16_BIT_FLOATS,
+    )
     if _score_sized_bytes(captured, chain, m, n) > 0:
         # A mask or bias read per element: Triton 3.6's pipeliner fails in make_llir on this kernel at rows of 2048
         # and more (a boolean mask tensor on the H200; 1024 compiled): its loops run unpipelined. (The failure is a

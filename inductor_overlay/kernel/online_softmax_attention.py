@@ -161,7 +161,7 @@ def _score_sized_bytes(captured: Sequence[Any], chain: Any, m: Any, n: Any) -> i
             and stride[dim] != 0
             for dim, extent in ((-2, m), (-1, n))
         )
-        permuted = len(size) > 2 and any(
+        permuted = not full and len(size) > 2 and any(
             sizevars.statically_known_equals(size[i], m) and sizevars.statically_known_equals(size[j], n)
             and stride[i] != 0 and stride[j] != 0
             for i in range(len(size)) for j in range(i + 1, len(size))
@@ -692,8 +692,6 @@ def _lower_attention(q, kt, v, captured, sink, chain, group_coefficients=None, p
         tuple(output_batch) if output_batch is not None else (0,), id_subgraphs, table_subgraph, chain.wide_logits,
         exact_subgraph, shared_v, stores_lse, position_subgraphs, affine_subgraph,
     )
-    if stores_lse and exact_subgraph is not None and chain.exact_folded_scale != chain.folded_scale:
-        raise RuntimeError("the fast and the whole chain fold different scales: the rows' statistics would not match")
     logit_scale, sink_scale = LOG2E * chain.folded_scale, chain.sink_scale * LOG2E
     tiny_logit_scale = _power_of_two_below(logit_scale)
     choices: list[Any] = []
