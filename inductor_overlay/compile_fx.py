@@ -57,10 +57,15 @@ def _unfused(gm: torch.fx.GraphModule, example_inputs: Any) -> torch.fx.GraphMod
 def _post_grad_pass_config(overlay_on: bool) -> dict[str, Any]:
     from torch._inductor import config as inductor_config
 
-    from inductor_overlay.fx_passes.post_grad import FlashlightJointPass, FlashlightPostGradPass
+    from inductor_overlay.fx_passes.post_grad import FlashlightJointPass, FlashlightPostGradPass, FlashlightPreGradPass
 
     passes = {}
-    for seam, overlay_pass in (("post_grad_custom_pre_pass", FlashlightPostGradPass), ("joint_custom_post_pass", FlashlightJointPass)):
+    seams = (
+        ("post_grad_custom_pre_pass", FlashlightPostGradPass),
+        ("joint_custom_post_pass", FlashlightJointPass),
+        ("pre_grad_custom_pass", FlashlightPreGradPass),
+    )
+    for seam, overlay_pass in seams:
         user_pass = getattr(inductor_config, seam)
         if isinstance(user_pass, FlashlightPostGradPass):
             user_pass = user_pass.user_pass

@@ -43,6 +43,11 @@ linear_fusion_min_rows: int = 16384
 # and within 1% as much at the longest D64 rows (benchmarks/results/h100_2026-11-23_diff_partial_sum/).
 combine_head_groups_in_kernel: bool = os.environ.get("FLASHLIGHT_COMBINE_HEAD_GROUPS_IN_KERNEL", "1") != "0"
 
+# In training, the same distribution is applied on Dynamo's graph before autograd (fx_passes/head_groups_pre_grad.py),
+# so that differential attention trains as one fused attention over all heads with its combination differentiated
+# on the [.., M, Dv] outputs.
+distribute_head_groups_in_training: bool = os.environ.get("FLASHLIGHT_DISTRIBUTE_HEAD_GROUPS_IN_TRAINING", "1") != "0"
+
 # Heads of such a group that read one V (DiffAttn's pair) share one pass over the column tiles: each V tile is loaded
 # once for all of their accumulators, instead of once per head in turn. Their accumulators (heads × Dv columns per
 # row) are live together, so this applies up to the given width; wider groups run in turn.

@@ -293,20 +293,77 @@ def test_wide_statistics_keep_one_loop_in_the_backward(idiom, wide):
         ).run(backward_kernel)
 
 
-@pytest.mark.parametrize("fn,matmuls", [
-    (programs.diff_attention, 1), (programs.diff_attention_two_matmuls, 2), (programs.diff_transformer_causal, 1),
-])
-def test_differential_attention_declines_training_with_its_reason(fn, matmuls, caplog):
-    """Head groups (DiffAttn) do not train fused yet: each output matmul declines with its reason in the log, and
-    upstream's path gives eager's gradients."""
+@pytest.mark.parametrize("fn", [programs.diff_attention, programs.diff_attention_two_matmuls, programs.diff_transformer_causal])
+def test_differential_attention_trains_as_one_fused_attention_over_all_heads(fn, caplog):
+    """Before autograd, the output matmul is distributed over the heads' combination (``head_groups_pre_grad.py``):
+    one fused forward and backward over all 2h heads, V read per group, and λ's gradient from the combination of
+    the outputs; every gradient, λ's included, matches float64 autograd."""
+    inputs = programs.diff_inputs(B=1, H=4, S=40, D=8, generator=torch.Generator().manual_seed(2))
+    operands = [inputs.pop(name).requires_grad_() for name in ("q", "k", "v", "lam")]
+    with caplog.at_level(logging.INFO, logger="flashlight.attention_fusion"):
+        out, grads, grad, code = train_on_cpu(fn, operands, inputs)
+    assert "before autograd (training)" in caplog.text
+    assert counters["inductor"]["flashlight_training_declined"] == 0
+    # No buffer as large as one combined M×N (B·h·M·N); the per-head outputs B·2h·M·2d are smaller here.
+    assert_fused_training(code, 1 * 2 * 40 * 40)
+    assert_matches_eager(fn, operands, inputs, out, grads, grad)
+
+
+def _diff_coefficient_along_keys(q, k, v, lam):
+    """Not distributable: the second head's coefficient varies along N, the dim the matmul contracts."""
+    weights = torch.softmax(q @ k.transpose(-1, -2), dim=-1).view(q.shape[0], q.shape[1] // 2, 2, q.shape[2], -1)
+    return (weights[:, :, 0] - lam * torch.linspace(0, 1, k.shape[-2]) * weights[:, :, 1]) @ v
+
+
+def test_a_head_combination_the_rule_does_not_cover_trains_on_upstreams_path(caplog):
+    fn = _diff_coefficient_along_keys
+    inputs = programs.diff_inputs(B=1, H=4, S=24, D=8, generator=torch.Generator().manual_seed(3))
+    operands = [inputs.pop(name).requires_grad_() for name in ("q", "k", "v", "lam")]
+    with caplog.at_level(logging.INFO, logger="flashlight.attention_fusion"):
+        out, grads, grad, code = train_on_cpu(fn, operands, inputs)
+    assert_matches_eager(fn, operands, inputs, out, grads, grad)
+    assert "before autograd" not in caplog.text
+    assert counters["inductor"]["flashlight_attention_fused_for_training"] == 0
+    assert "sliced or combined across heads before V" in caplog.text
+
+
+def test_a_failure_inside_the_head_group_distribution_leaves_dynamos_graph_as_it_was(monkeypatch, caplog):
+    """Fault containment before autograd: the rewrite fails after it has started editing the graph; the graph is
+    put back and trains on upstream's path with eager's gradients."""
+    from inductor_overlay.fx_passes import head_groups_pre_grad
+
+    def fail(node):
+        raise RuntimeError("injected")
+
+    monkeypatch.setattr(head_groups_pre_grad, "_with_value", fail)
+    inputs = programs.diff_inputs(B=1, H=4, S=24, D=8)
+    operands = [inputs.pop(name).requires_grad_() for name in ("q", "k", "v", "lam")]
+    with caplog.at_level(logging.INFO, logger="flashlight.attention_fusion"):
+        out, grads, grad, code = train_on_cpu(programs.diff_attention, operands, inputs)
+    assert "not distributed (RuntimeError: injected)" in caplog.text
+    assert counters["inductor"]["flashlight_training_declined"] == 1
+    assert_matches_eager(programs.diff_attention, operands, inputs, out, grads, grad)
+
+
+def test_differential_attention_declines_training_with_the_distribution_switched_off(caplog):
     inputs = programs.diff_inputs(B=1, H=4, S=24, D=8)
     operands = [inputs.pop(name).requires_grad_() for name in ("q", "k", "v")]
     with caplog.at_level(logging.INFO, logger="flashlight.attention_fusion"):
-        out, grads, grad, code = train_on_cpu(fn, operands, inputs)
-    assert counters["inductor"]["flashlight_training_declined"] == matmuls
-    assert counters["inductor"]["flashlight_attention_fused_for_training"] == 0
-    assert caplog.text.count("sliced or combined across heads before V") == matmuls
-    assert_matches_eager(fn, operands, inputs, out, grads, grad)
+        out, grads, grad, code = train_on_cpu(programs.diff_attention, operands, inputs,
+                                              distribute_head_groups_in_training=False)
+    assert counters["inductor"]["flashlight_training_declined"] == 1
+    assert caplog.text.count("sliced or combined across heads before V") == 1
+    assert_matches_eager(programs.diff_attention, operands, inputs, out, grads, grad)
+
+
+def test_evoformer_row_attention_trains_fused_with_its_pair_bias_gradient():
+    """AlphaFold2's MSA row attention: q, k, v and the gate, the mask bias ([B, N_seq, 1, 1, S]) and the pair bias
+    ([B, 1, H, S, S], shared by every MSA row: its gradient summed over them) all match float64 autograd."""
+    inputs = programs.evoformer_inputs(B=1, N_seq=3, S=21, H=2, D=16, generator=torch.Generator().manual_seed(4))
+    operands = [t.requires_grad_() for t in inputs.values()]
+    out, grads, grad, code = train_on_cpu(programs.evoformer_row_attention, operands, {})
+    assert_matches_eager(lambda *ts: programs.evoformer_row_attention(*ts), operands, {}, out, grads, grad)
+    assert_fused_training(code, 1 * 3 * 2 * 21 * 21)
 
 
 def _causal_3d(q, k, v):

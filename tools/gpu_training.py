@@ -1,5 +1,5 @@
 """Run as `PYTHONPATH=. python tools/gpu_training.py [--variants=a,b] [--shapes=BxHxSxD,...] [--check-only] [--learned]
-[--programs=a,b] [--forms=family:form,...]`.
+[--programs=a,b [--program-shapes=BxHxSxD,...]] [--forms=family:form,...]`.
 
 Training on the GPU: forward + backward of each variant's first idiom, inputs requiring grad.
 
@@ -14,7 +14,8 @@ With ``--learned`` the variant's floating tensors (ALiBi's slopes, a per-head bi
 gradients are checked and computed in every timed step (FlexAttention's as its captured buffers' gradients).
 
 With ``--programs`` the named programs of ``benchmarks/programs.py`` (every floating input requiring grad) are
-checked at their CPU size and timed at their GPU sizes against default ``torch.compile`` instead; with ``--forms``
+checked at their CPU size and timed at their GPU sizes (or at ``--program-shapes``, for programs sized by B, H, S,
+D) against default ``torch.compile`` instead; with ``--forms``
 the named written forms of ``benchmarks/written_forms.py`` (``forms_causal:sliced_buffer_mask``, ...) stand for the
 variants.
 """
@@ -175,7 +176,9 @@ def program_rows(program) -> list[str]:
     program.fn(**wide).backward(grad.double())
     errors = {n: _relative(t.grad, wide[n].grad) for n, t in inputs.items() if t.requires_grad}
     rows = [f"{program.name} bf16 check fused={fused} errors " + " ".join(f"{n} {e:.1e}" for n, e in errors.items())]
-    for size in program.gpu_sizes:
+    shapes = [s for s in _arg("program-shapes", "").split(",") if s]
+    sizes = [dict(B=x.B, H=x.H, S=x.M, D=x.D) for x in map(parse_shape, shapes)] or program.gpu_sizes
+    for size in sizes:
         inputs = learned(size, torch.bfloat16)
         times = {}
         rows.append(f"{program.name} {size} bf16 forward+backward")

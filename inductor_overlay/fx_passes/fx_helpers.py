@@ -231,3 +231,12 @@ def _hoist_before(node: torch.fx.Node, anchor: torch.fx.Node) -> None:
             stack.extend(current.all_input_nodes)
     for moved in sorted(late, key=position.__getitem__):
         anchor.prepend(moved)
+
+
+def restore_graph(graph: torch.fx.Graph, saved: torch.fx.Graph) -> None:
+    """``graph``'s nodes replaced by ``saved``'s, its placeholders kept (the partitioner knows inputs by name)."""
+    placeholders = list(graph.find_nodes(op="placeholder"))
+    for node in reversed(list(graph.nodes)):
+        if node.op != "placeholder":
+            graph.erase_node(node)
+    graph.output(graph.graph_copy(saved, dict(zip(saved.find_nodes(op="placeholder"), placeholders))))

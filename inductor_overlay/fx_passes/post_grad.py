@@ -24,7 +24,9 @@ from inductor_overlay import __version__, config
 from inductor_overlay.fx_passes.attention_fusion import fuse_attention
 from inductor_overlay.fx_passes.attention_training import fuse_attention_for_training
 from inductor_overlay.fx_passes.distance_tables import tabulate_distance_functions
+from inductor_overlay.fx_passes.fx_helpers import restore_graph
 from inductor_overlay.fx_passes.head_combination import distribute_matmul_over_head_combinations
+from inductor_overlay.fx_passes.head_groups_pre_grad import distribute_head_groups_before_autograd
 from inductor_overlay.fx_passes.pair_matmul import rewrite_pair_matmuls
 from inductor_overlay.fx_passes.scaled_matmuls import split_baddbmm_scores
 from inductor_overlay.fx_passes.score_views import move_batch_views_off_score_chains
@@ -57,6 +59,9 @@ def overlay_source_hash() -> str:
 # Passes run in this order on every joint forward+backward graph (training), after upstream's joint passes.
 JOINT_PASSES: list[GraphPass] = [fuse_attention_for_training]
 
+# Passes run on Dynamo's graph (torch IR), before AOTAutograd: each leaves the graph as it was on any failure.
+PRE_GRAD_PASSES: list[GraphPass] = [distribute_head_groups_before_autograd]
+
 log = logging.getLogger("flashlight.attention_fusion")
 
 
@@ -77,18 +82,9 @@ def _contained(graph_pass: GraphPass) -> GraphPass:
             counters["inductor"]["flashlight_fault_fallback"] += 1
             log.warning("%s failed (%s: %s); the joint graph is left as upstream made it", graph_pass.__name__,
                         type(error).__name__, error)
-            _restore(graph, saved)
+            restore_graph(graph, saved)
 
     return run
-
-
-def _restore(graph: torch.fx.Graph, saved: torch.fx.Graph) -> None:
-    """``graph``'s nodes replaced by ``saved``'s, its placeholders kept (the partitioner knows inputs by name)."""
-    placeholders = list(graph.find_nodes(op="placeholder"))
-    for node in reversed(list(graph.nodes)):
-        if node.op != "placeholder":
-            graph.erase_node(node)
-    graph.output(graph.graph_copy(saved, dict(zip(saved.find_nodes(op="placeholder"), placeholders))))
 
 
 class FlashlightPostGradPass(CustomGraphPass):
@@ -122,3 +118,14 @@ class FlashlightJointPass(FlashlightPostGradPass):
 
     def uuid(self) -> Any:
         return ("joint", *super().uuid())
+
+
+class FlashlightPreGradPass(FlashlightPostGradPass):
+    """The overlay's pass over Dynamo's graph, installed through Inductor's ``pre_grad_custom_pass`` seam (after
+    upstream's own pre-grad passes), the user's pass first."""
+
+    def passes(self) -> list[GraphPass]:
+        return PRE_GRAD_PASSES
+
+    def uuid(self) -> Any:
+        return ("pre_grad", *super().uuid())
