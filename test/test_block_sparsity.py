@@ -469,6 +469,10 @@ def test_tiles_a_mask_tensor_keeps_whole_run_the_chain_without_it():
     visible, partial = testing.split_loop_chains(kernel)
     assert "tl.where(" in partial and "tl.load(" in partial
     assert "tl.where(" not in visible and "tl.load(" not in visible
+    # The partial loop's tile start, picked from two ranges, is declared a multiple of the tile, as a loop
+    # variable's is: the mask's loads along the columns stay vectorised.
+    FileCheck().check("for partial_n in tl.range(").check("start_n = tl.where(").check(
+        "start_n = tl.multiple_of(start_n, BLOCK_N)").check("offs_n = start_n + tl.arange(0, BLOCK_N)").run(kernel)
     testing.assert_close_to_reference(out, keep_masked_fill(q.double(), k.double(), v.double(), keep))
 
 
