@@ -308,12 +308,13 @@ def build(p: Program) -> Callable:
 TOLERANCE = {torch.float32: (1e-4, 1e-5), torch.float16: (3e-2, 3e-2), torch.bfloat16: (8e-2, 8e-2)}
 
 
-# In training, the biases and masks a chain adds to its scores and the sink logits require grad too (their gradients
-# come from the fused backward). Not the others: a table read through a gather (its gradient is a scatter-add, whose
-# duplicates the Triton interpreter of the CPU harness loses on upstream's path too), nor the tensors of programs that
-# train on upstream's path anyway (λ, IPA's points and pair tensor; in float16 upstream's compiled gradient of the
-# pair tensor can be NaN where eager's is not, with Flashlight off as well: seed 240051).
-LEARNED = frozenset({"bias", "additive", "head_bias", "window_mask", "sinks"})
+# In training, the biases and masks a chain adds to its scores, the sink logits and DiffAttn's λ require grad too
+# (their gradients come from the fused backward, λ's from the combination of the heads' outputs). Not the others: a
+# table read through a gather (its gradient is a scatter-add, whose duplicates the Triton interpreter of the CPU
+# harness loses on upstream's path too), nor the tensors of programs that train on upstream's path anyway (IPA's
+# points and pair tensor; in float16 upstream's compiled gradient of the pair tensor can be NaN where eager's is
+# not, with Flashlight off as well: seed 240051).
+LEARNED = frozenset({"bias", "additive", "head_bias", "window_mask", "sinks", "lam"})
 
 
 def _run(program: Callable, args: list, extras: dict, grad: Optional[torch.Tensor]) -> tuple:

@@ -13,11 +13,14 @@ which trains fused; autograd then differentiates the combination of the ``[.., M
 included.
 
 Rule (each point checked, otherwise the graph is left as it is): every use of ``X`` is an integer index at one and
-the same dim ``k`` (after ``k`` full slices, or ``select``); from each, only add, sub, neg, and mul or div by
-operands that do not depend on ``X`` and are constant along the contracted dim (a number, or a tensor whose last dim
-is 1) lead, through ops with no other user, to the left operand of a matmul; all those matmuls share one right
-operand ``V`` of the index's rank; the result of the matmul requires grad (inference keeps the post-grad form, which
-combines the heads inside the kernel); the graph mutates nothing in place.
+the same dim ``k`` (after ``k`` full slices, or ``select``), a term; from each term, through ops with no other user,
+only these lead to the left operand of a matmul: add or sub of two values of the combination (terms, or such ops
+of them; a number or another tensor added would not distribute), neg, and mul or div by an operand that does not
+depend on ``X`` and is constant along the contracted dim (a number, or a tensor whose last dim is 1), the term once
+among its operands; all those matmuls share one right operand ``V`` of the terms' rank and dtype, every value of
+the combination has that dtype and requires grad (inference, and a combination made under ``no_grad``, keep the
+post-grad form, which combines the heads inside the kernel); between the first term and the last matmul nothing
+is written in place and no grad-mode or autocast region begins or ends (the copies run where the matmuls stand).
 """
 
 from __future__ import annotations
@@ -109,8 +112,10 @@ def _constant_along_contraction(coefficient: Any) -> bool:
     return isinstance(value, torch.Tensor) and (value.dim() == 0 or value.shape[-1] == 1)
 
 
-def _follow_to_matmul(term: torch.fx.Node, heads: torch.fx.Node, chain: list[torch.fx.Node]) -> Optional[torch.fx.Node]:
-    """The matmul whose left operand ``term`` reaches through linear ops (appended to ``chain``), or None."""
+def _follow_to_matmul(term: torch.fx.Node, heads: torch.fx.Node, chain: list[torch.fx.Node],
+                      joins: list[Any]) -> Optional[torch.fx.Node]:
+    """The matmul whose left operand ``term`` reaches through linear ops (appended to ``chain``), or None. The other
+    operand of each add or sub is appended to ``joins``: it must be a term or an op of the same combination."""
     node = term
     while True:
         if len(node.users) != 1:
@@ -119,14 +124,18 @@ def _follow_to_matmul(term: torch.fx.Node, heads: torch.fx.Node, chain: list[tor
         if _is_matmul(user):
             return user if user.args[0] is node and len(user.args) == 2 and not user.kwargs else None
         kind = _linear_kind(user)
-        if kind is None:
+        if kind is None or not isinstance(user.kwargs.get("alpha", 1), (int, float)):
             return None
-        others = [a for a in (*user.args, *user.kwargs.values()) if a is not node]
-        if kind in ("mul", "div"):
-            if (kind == "div" and user.args[0] is not node) or not all(_constant_along_contraction(o) for o in others):
+        operands = list(user.args)
+        if operands.count(node) != 1 or len(operands) != (1 if kind == "neg" else 2):
+            return None
+        other = next((o for o in operands if o is not node), None)
+        if kind in ("add", "sub"):
+            joins.append(other)
+        elif kind in ("mul", "div"):
+            if (kind == "div" and operands[0] is not node) or not _constant_along_contraction(other):
                 return None
-        if any(_depends_on(o, heads) for o in others if isinstance(o, torch.fx.Node)):
-            if kind not in ("add", "sub"):
+            if isinstance(other, torch.fx.Node) and _depends_on(other, heads):
                 return None  # a product of two terms is not linear
         chain.append(user)
         node = user
@@ -142,9 +151,18 @@ def _mutates(node: torch.fx.Node) -> bool:
     """Whether ``node`` may write a tensor in place (conservative: any ``foo_`` method or function too)."""
     if node.op not in ("call_method", "call_function"):
         return False
+    if isinstance(node.target, torch._ops.OpOverload) and node.target._schema.is_mutable:
+        return True
     name = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", "")
-    return (node.target in _IN_PLACE_OPERATORS or (name.endswith("_") and not name.startswith("_"))
+    return (node.target in _IN_PLACE_OPERATORS or (name.endswith("_") and not name.endswith("__"))
             or "out" in node.kwargs or bool(node.kwargs.get("inplace")))
+
+
+def _changes_mode(node: torch.fx.Node) -> bool:
+    """Whether ``node`` enters or leaves a grad-mode or autocast region (the copies must run in the originals')."""
+    name = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", "")
+    return node.op in ("call_method", "call_function") and any(
+        word in name for word in ("grad_enabled", "autocast", "inference_mode", "no_grad", "enable_grad"))
 
 
 def _plan(heads: torch.fx.Node) -> Optional[tuple[int, torch.fx.Node, dict[torch.fx.Node, list[torch.fx.Node]]]]:
@@ -154,25 +172,33 @@ def _plan(heads: torch.fx.Node) -> Optional[tuple[int, torch.fx.Node, dict[torch
     if len(users) < 2 or any(s is None for s in splits) or len({s[0] for s in splits}) != 1:
         return None
     roots: dict[torch.fx.Node, list[torch.fx.Node]] = {}
+    joins: list[Any] = []
     for term in users:
         chain: list[torch.fx.Node] = []
-        matmul = _follow_to_matmul(term, heads, chain)
+        matmul = _follow_to_matmul(term, heads, chain, joins)
         if matmul is None:
             return None
         roots.setdefault(matmul, []).extend(chain)
+    combination = {*users, *(op for chain in roots.values() for op in chain)}
+    if not all(isinstance(other, torch.fx.Node) and other in combination for other in joins):
+        return None  # an add of anything but the combination's own terms is not distributive
     values = {m.args[1] for m in roots}
     if len(values) != 1:
         return None
     v = values.pop()
+    nodes = [*combination, v, *roots]
+    if not all(isinstance(_val(n), torch.Tensor) for n in nodes):
+        return None
     term_value, v_value = _val(users[0]), _val(v)
-    if not all(isinstance(x, torch.Tensor) for x in (term_value, v_value, *(_val(m) for m in roots))):
+    if v_value.dim() != term_value.dim() or _depends_on(v, heads) or len({_val(n).dtype for n in nodes}) != 1:
         return None
-    if v_value.dim() != term_value.dim() or _depends_on(v, heads) or not all(_val(m).requires_grad for m in roots):
+    if not all(_val(n).requires_grad for n in [*combination, *roots]):
         return None
-    # The new matmul reads X and V where the first of the matmuls stands: nothing may be written in between.
+    # The new matmul reads X and V where the first of the matmuls stands, the copies run beside each matmul:
+    # nothing may be written, nor a grad-mode or autocast region entered or left, in between.
     order = {n: i for i, n in enumerate(heads.graph.nodes)}
     window = range(min(order[t] for t in users), max(order[m] for m in roots) + 1)
-    if any(_mutates(n) for n in heads.graph.nodes if order[n] in window):
+    if any(_mutates(n) or _changes_mode(n) for n in heads.graph.nodes if order[n] in window):
         return None
     return splits[0][0], v, roots
 
@@ -210,27 +236,27 @@ def _distribute(graph: torch.fx.Graph, heads: torch.fx.Node, dim: int, v: torch.
 
 
 def distribute_head_groups_before_autograd(graph: torch.fx.Graph) -> None:
-    """Pre-grad pass: see the module doc. Any failure leaves the graph unchanged."""
+    """Pre-grad pass: see the module doc. Any failure leaves the graph as it was (this seam runs outside the
+    compile step whose faults fall back to upstream)."""
     if not (config.attention_fusion and config.distribute_head_groups_in_training):
         return
-    candidates = [n for n in graph.nodes if len(n.users) >= 2 and all(
-        _split_index(u, n) is not None for u in n.users)]
-    for heads in candidates:
-        try:
+    saved = None
+    try:
+        candidates = [n for n in graph.nodes if len(n.users) >= 2 and all(
+            _split_index(u, n) is not None for u in n.users)]
+        for heads in candidates:
             plan = _plan(heads)
-        except Exception as error:  # noqa: BLE001  (fault containment: analysis only, the graph is untouched)
-            log.warning("head groups at %s not analysed (%s: %s)", heads.name, type(error).__name__, error)
-            continue
-        if plan is None:
-            continue
-        dim, v, roots = plan
-        saved = torch.fx.Graph()
-        saved.output(saved.graph_copy(graph, {}))
-        try:
-            _distribute(graph, heads, dim, v, roots)
-        except Exception as error:  # noqa: BLE001
-            log.warning("head groups at %s not distributed (%s: %s)", heads.name, type(error).__name__, error)
+            if plan is None:
+                continue
+            if saved is None:
+                saved = torch.fx.Graph()
+                saved.output(saved.graph_copy(graph, {}))
+            _distribute(graph, heads, *plan)
+            log.info("matmul %s distributed over the heads of %s before autograd (training)",
+                     ", ".join(m.name for m in plan[2]), heads.name)
+    except Exception as error:  # noqa: BLE001  (fault containment)
+        if not config.fault_containment:
+            raise
+        log.warning("head groups not distributed (%s: %s); the graph is left as it was", type(error).__name__, error)
+        if saved is not None:
             restore_graph(graph, saved)
-            return
-        log.info("matmul %s distributed over the heads of %s before autograd (training)",
-                 ", ".join(m.name for m in roots), heads.name)
