@@ -309,6 +309,123 @@ def test_differential_attention_trains_as_one_fused_attention_over_all_heads(fn,
     assert_matches_eager(fn, operands, inputs, out, grads, grad)
 
 
+def _train_over_lengths(variant, lengths, caplog):
+    """One ``torch.compile`` of the variant trained at each length in turn (Dynamo makes the length dynamic at the
+    second): per length, the overlay's counters and whether the result matched float64 autograd."""
+    from torch._inductor.utils import fresh_cache
+
+    torch._dynamo.reset()
+    steps = []
+    with testing.cpu_triton(), config.patch(sdpa_pattern_policy="flashlight"), fresh_cache():
+        compiled = torch.compile(variant.reference)
+        for length in lengths:
+            shape = variants.Shape(B=2, H=2, M=length if variant.self_attention else 24, N=length, D=16)
+            operands, extras = operands_of(variant, shape)
+            counters.clear()
+            def step():
+                out = compiled(*operands, **extras)
+                grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(length))
+                out.backward(grad)
+                return out, grad
+
+            with caplog.at_level(logging.INFO, logger="flashlight.attention_fusion"):
+                (out, grad), code = testing.run_keeping_graphs_and_get_code(step)
+            assert_matches_eager(variant.reference, operands, extras, out, [t.grad for t in operands], grad)
+            steps.append((dict(counters["inductor"]), code))
+    return steps
+
+
+@pytest.mark.parametrize("name", [
+    "causal", "document", *(pytest.param(name, marks=pytest.mark.full) for name in ("sliding_window", "hf_decoder_mask", "alibi")),
+])
+def test_dynamic_lengths_train_fused_in_one_graph(name, caplog):
+    """The second length makes Dynamo compile a graph with a symbolic length: it trains fused too (no size is
+    specialised, so the third length runs the same graph), every gradient matches float64 autograd, and the kernels
+    of the symbolic graph pass Triton's front end for sm90."""
+    (first, _), (second, code), (third, _) = _train_over_lengths(variants.VARIANTS[name], (40, 53, 29), caplog)
+    assert first["flashlight_attention_fused_for_training"] == 1
+    assert second["flashlight_attention_fused_for_training"] == 1
+    assert "flashlight_compile_fx" not in third  # no recompile: the lengths stayed symbolic
+    assert "training_declined" not in caplog.text and "dynamic shape" not in caplog.text
+    assert second.get("flashlight_fault_fallback", 0) == 0 and second.get("flashlight_training_fault", 0) == 0
+    assert len([text for text in testing.triton_kernels(code).values() if "grad_scores" in text]) == 1
+    testing.check_gpu_front_end(code)
+
+
+def _alibi_with_learned_slopes(q, k, v, slopes):
+    s = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
+    pos = torch.arange(k.shape[-2], device=q.device)
+    s = s + slopes[:, None, None] * (pos[None, :] - pos[:, None])
+    return torch.softmax(s.masked_fill(pos[None, :] > pos[:, None], float("-inf")), -1) @ v
+
+
+def test_a_learned_tensor_at_a_dynamic_length_trains_on_upstreams_path(caplog):
+    """The gradients of tensors the chain reads are summed in buffers of the scores' static sizes: at a symbolic
+    length the attention declines, with its reason, and upstream's path gives eager's gradients."""
+    from torch._inductor.utils import fresh_cache
+
+    torch._dynamo.reset()
+    with testing.cpu_triton(), config.patch(sdpa_pattern_policy="flashlight"), fresh_cache():
+        compiled = torch.compile(_alibi_with_learned_slopes)
+        for length in (40, 53):
+            operands = [torch.randn(2, 3, length, 16).requires_grad_() for _ in range(3)] + [torch.rand(3).requires_grad_()]
+            counters.clear()
+            with caplog.at_level(logging.INFO, logger="flashlight.attention_fusion"):
+                out = compiled(*operands)
+                grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(length))
+                out.backward(grad)
+            assert_matches_eager(_alibi_with_learned_slopes, operands, {}, out, [t.grad for t in operands], grad)
+    assert counters["inductor"]["flashlight_training_declined"] == 1
+    assert counters["inductor"]["flashlight_training_fault"] == 0
+    assert "the gradient of a tensor the chain reads, at a dynamic shape" in caplog.text
+
+
+def _masked_below_a_wider_fill(q, k, v, weights):
+    """A mask comparing float32 weights with a float64 fill of the scores' shape: the comparison runs in float64."""
+    s = q @ k.transpose(-1, -2) / 4.0
+    fill = torch.full((s.shape[-2], s.shape[-1]), 0.1, dtype=torch.float64)
+    return torch.softmax(s.masked_fill(weights <= fill, float("-inf")), -1) @ v
+
+
+def test_a_fill_whose_dtype_the_comparison_computes_in_keeps_its_size():
+    """At a symbolic length a sized fill becomes a 0-d one only where the op computes in the same dtype either
+    way: a 0-d float64 fill would let the comparison run in float32, where 0.1 rounds and masks every score."""
+    from torch._inductor.utils import fresh_cache
+
+    torch._dynamo.reset()
+    with testing.cpu_triton(), config.patch(sdpa_pattern_policy="flashlight"), fresh_cache():
+        compiled = torch.compile(_masked_below_a_wider_fill)
+        for length in (40, 53):
+            operands = [torch.randn(2, 2, length, 16).requires_grad_() for _ in range(3)]
+            extras = {"weights": torch.full((length, length), 0.1)}
+            counters.clear()
+            out = compiled(*operands, **extras)
+            grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(length))
+            out.backward(grad)
+            assert counters["inductor"]["flashlight_attention_fused_for_training"] == 1
+            assert_matches_eager(_masked_below_a_wider_fill, operands, extras, out, [t.grad for t in operands], grad)
+
+
+def test_a_dynamic_training_graph_loads_from_the_cache(caplog):
+    """AOTAutograd's cache stores a training graph's modules as code traced again when loaded: the chain modules
+    hold no symbolic size inside a list (a 0-d fill, broadcast, instead), so a second process's compile loads it."""
+    from torch._inductor.utils import fresh_cache
+
+    variant = variants.VARIANTS["causal"]
+    with testing.cpu_triton(), config.patch(sdpa_pattern_policy="flashlight"), fresh_cache():
+        for attempt in range(2):
+            torch._dynamo.reset()
+            compiled = torch.compile(variant.reference)
+            counters.clear()
+            with caplog.at_level(logging.WARNING):
+                for length in (40, 53):
+                    operands, extras = operands_of(variant, variants.Shape(B=1, H=2, M=24, N=length, D=16))
+                    compiled(*operands, **extras).sum().backward()
+        assert counters["aot_autograd"]["autograd_cache_hit"] == 2
+    assert "unable to load" not in caplog.text
+    assert counters["inductor"]["flashlight_attention_fused_for_training"] == 0  # both graphs came from the cache
+
+
 def _diff_pairs(q, k):
     return torch.softmax(q @ k.transpose(-1, -2), dim=-1).view(q.shape[0], q.shape[1] // 2, 2, q.shape[2], -1)
 

@@ -24,8 +24,9 @@ chain reads (a learned bias, slopes) comes from the same kernel by the rule of `
 column is in the rows' statistics; it meets no V, so its logits' gradient, ``-p_sink · delta`` per row, is a few
 pointwise ops on the statistics (``ops.sink_gradient``). Weights that are the chain's output itself (sigmoid
 attention, (A·B)·C) save no statistics: the logits' gradient is dO Vᵀ. Attention that the SDPA route takes in inference (plain
-causal, on CUDA) takes SDPA's forward and backward kernels instead (``sdpa_training``). A region outside the rule (a
-pair reduction, a bias read through a gather, a dynamic shape) is left to upstream, with the reason in the log
+causal, on CUDA) takes SDPA's forward and backward kernels instead (``sdpa_training``). A symbolic length trains the same way (the
+chain's sizes are inputs of its derivative too). A region outside the rule (a pair reduction, a bias read through
+a gather) is left to upstream, with the reason in the log
 (``TORCH_LOGS=flashlight``).
 """
 
@@ -287,9 +288,6 @@ def _declines_training(region: AttentionRegion) -> Optional[str]:
     few = _too_few_column_programs(region)
     if few is not None:
         return few
-    shapes = [_val(region.score_root).shape, *(_val(op).shape for op in _operands(region))]
-    if not all(isinstance(size, int) for shape in shapes for size in shape) or region.captured_sizes:
-        return "a dynamic shape"
     if _val(region.qk).shape[-1] == 0:
         return "no columns"
     return None
@@ -347,7 +345,7 @@ def _insert_backward(region: AttentionRegion, matched: RegionBackward, fwd: Trai
     score_shape = list(_val(region.score_root).shape)
     z, m, dv = math.prod(score_shape[:-2]) if len(score_shape) > 2 else 1, score_shape[-2], _val(region.pv).shape[-1]
     chain, _ = ops.differentiated_chain(fwd.chain)
-    examples = [_val(region.score_root), *(_val(c) for c in fwd.captured)]
+    examples = [_val(region.score_root), *(_val(c) for c in fwd.captured), *(s.meta["val"] for s in region.captured_sizes)]
     vjp = chain_vjp_module(chain, examples)
     reads = _gradient_reads(region, matched, chain)
     if isinstance(reads, str):
@@ -409,7 +407,10 @@ def _sink_gradient(region: AttentionRegion, fwd: TrainingForward, delta: torch.f
 def _gradient_reads(region: AttentionRegion, matched: RegionBackward, chain: torch.fx.GraphModule) -> Union[list, str]:
     """How the kernel gives the gradient of each captured tensor R_bwd hands one out for, or why it cannot."""
     reads = []
-    for index in sorted(i - 3 for i in matched.grads.values() if 3 <= i < _sink_index(region)):
+    indices = sorted(i - 3 for i in matched.grads.values() if 3 <= i < _sink_index(region))
+    if indices and not all(isinstance(size, int) for size in _val(region.score_root).shape):
+        return "the gradient of a tensor the chain reads, at a dynamic shape"
+    for index in indices:
         read = gradient_read(chain, index, _val(region.captured[index]), _val(region.score_root))
         if isinstance(read, str):
             return read

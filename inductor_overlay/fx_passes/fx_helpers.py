@@ -208,8 +208,53 @@ def subgraph(graph: torch.fx.Graph, module: torch.fx.GraphModule, stem: str) -> 
     """``module`` as a subgraph of the graph's own module: a get_attr node (``score_chain_0``, ...)."""
     owner = graph.owning_module
     name = next(f"{stem}_{i}" for i in itertools.count() if not hasattr(owner, f"{stem}_{i}"))
-    owner.add_submodule(name, module)
+    owner.add_submodule(name, _scalar_fills(module))
     return graph.get_attr(name)
+
+
+def _scalar_fills(module: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """``module`` with each ``full(size, value)`` whose size holds a symbolic length made a 0-d ``full`` where every
+    user, a pointwise op, gives the same shape and dtype with it (the same values, broadcast): a graph module is
+    pickled as its code and traced again when loaded (AOTAutograd's cache), and that tracing cannot follow a length
+    inside the size list of an op with no tensor operand."""
+    for node in list(module.graph.find_nodes(op="call_function", target=aten.full.default)):
+        value = node.meta.get("val")
+        if not isinstance(value, torch.Tensor) or not any(isinstance(n, torch.fx.Node) for n in node.args[0]):
+            continue
+        with value.fake_mode:
+            scalar = torch.empty((), dtype=value.dtype, device=value.device)
+        if node.users and all(_same_result_with(user, node, scalar) for user in node.users):
+            node.args = ([], *node.args[1:])
+            node.meta["val"] = scalar
+    module.recompile()
+    return module
+
+
+def _same_result_with(user: torch.fx.Node, operand: torch.fx.Node, replacement: torch.Tensor) -> bool:
+    """Whether pointwise ``user`` gives a result of its recorded shape and dtype with ``replacement`` for
+    ``operand`` (run on the fake values)."""
+    result = user.meta.get("val")
+    if not (isinstance(user.target, torch._ops.OpOverload) and torch.Tag.pointwise in user.target.tags
+            and isinstance(result, torch.Tensor)):
+        return False
+    values = {n: replacement if n is operand else n.meta.get("val") for n in user.all_input_nodes}
+    if any(v is None for v in values.values()):
+        return False
+    # A 0-d tensor takes no part in type promotion within its category: the op must compute in the fill's dtype
+    # either way, so every operand it promotes with has that dtype (a where's condition is not promoted).
+    promoted = user.args[1:] if user.target is aten.where.self else user.args
+    if user.target is aten.where.self and user.args[0] is operand:
+        promoted = ()
+    if any(isinstance(a, torch.fx.Node) and a is not operand and values[a].dtype != replacement.dtype for a in promoted):
+        return False
+    args, kwargs = torch.fx.node.map_arg((user.args, user.kwargs), values.__getitem__)
+    try:
+        with replacement.fake_mode:
+            again = user.target(*args, **kwargs)
+    except Exception:  # noqa: BLE001  (an op that does not take it: keep the full)
+        return False
+    return (isinstance(again, torch.Tensor) and again.dtype == result.dtype
+            and tuple(again.shape) == tuple(result.shape))
 
 
 def _broadcast(graph: torch.fx.Graph, node: torch.fx.Node, shape: list) -> torch.fx.Node:

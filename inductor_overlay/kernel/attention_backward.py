@@ -223,7 +223,8 @@ def online_softmax_attention_backward_lowering(
     for tensor in operands:
         tensor.freeze_layout()
     d, dv = V.graph.sizevars.guard_int(d), V.graph.sizevars.guard_int(dv)
-    dk_contiguous = fused_ops.writes_dk_contiguous([V.graph.sizevars.guard_int(s) for s in operands[1].get_stride()])
+    # (Strides compared, not specialised: a dynamic length is in kᵀ's.)
+    dk_contiguous = fused_ops.writes_dk_contiguous([1 if V.graph.sizevars.statically_known_equals(s, 1) else s for s in operands[1].get_stride()])
     dkt_stride = [d * n, 1, d] if dk_contiguous else [d * n, n, 1]
     dkt = empty_strided([z, d, n], dkt_stride, dtype=kt.get_dtype(), device=device)
     dv_out = empty_strided([z, n, dv], None, dtype=v.get_dtype(), device=device)
