@@ -352,32 +352,41 @@ def test_dynamic_lengths_train_fused_in_one_graph(name, caplog):
     testing.check_gpu_front_end(code)
 
 
-def _alibi_with_learned_slopes(q, k, v, slopes):
+def _alibi_with_learned_tensors(q, k, v, slopes, key_bias):
     s = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
     pos = torch.arange(k.shape[-2], device=q.device)
-    s = s + slopes[:, None, None] * (pos[None, :] - pos[:, None])
+    s = s + slopes[:, None, None] * (pos[None, :] - pos[:, None]) + key_bias
     return torch.softmax(s.masked_fill(pos[None, :] > pos[:, None], float("-inf")), -1) @ v
 
 
-def test_a_learned_tensor_at_a_dynamic_length_trains_on_upstreams_path(caplog):
-    """The gradients of tensors the chain reads are summed in buffers of the scores' static sizes: at a symbolic
-    length the attention declines, with its reason, and upstream's path gives eager's gradients."""
+@pytest.mark.parametrize("learned", ["slopes", "key_bias"])
+def test_learned_tensors_at_a_dynamic_length(learned, caplog):
+    """Slopes ``[H]`` keep their shape at any length: their gradient comes from the fused backward at a symbolic
+    length too. A key bias ``[B, 1, 1, N]`` has the length in its shape, which the gradient's partial sums are
+    sized by statically: that attention declines, with its reason. Either way the gradients are eager's."""
     from torch._inductor.utils import fresh_cache
 
     torch._dynamo.reset()
     with testing.cpu_triton(), config.patch(sdpa_pattern_policy="flashlight"), fresh_cache():
-        compiled = torch.compile(_alibi_with_learned_slopes)
+        compiled = torch.compile(_alibi_with_learned_tensors)
         for length in (40, 53):
-            operands = [torch.randn(2, 3, length, 16).requires_grad_() for _ in range(3)] + [torch.rand(3).requires_grad_()]
+            tensors = {"slopes": torch.rand(3), "key_bias": torch.randn(2, 1, 1, length)}
+            operands = [torch.randn(2, 3, length, 16).requires_grad_() for _ in range(3)] + [tensors.pop(learned).requires_grad_()]
+            extras = tensors if learned == "key_bias" else {"key_bias": tensors["key_bias"]}
+            function = _alibi_with_learned_tensors if learned == "slopes" else (
+                lambda q, k, v, key_bias, slopes: _alibi_with_learned_tensors(q, k, v, slopes, key_bias))
             counters.clear()
             with caplog.at_level(logging.INFO, logger="flashlight.attention_fusion"):
-                out = compiled(*operands)
+                out = compiled(*operands[:3], **{learned: operands[3]}, **extras)
                 grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(length))
                 out.backward(grad)
-            assert_matches_eager(_alibi_with_learned_slopes, operands, {}, out, [t.grad for t in operands], grad)
-    assert counters["inductor"]["flashlight_training_declined"] == 1
+            assert_matches_eager(function, operands, extras, out, [t.grad for t in operands], grad)
+    fused = counters["inductor"]["flashlight_attention_fused_for_training"]
     assert counters["inductor"]["flashlight_training_fault"] == 0
-    assert "the gradient of a tensor the chain reads, at a dynamic shape" in caplog.text
+    if learned == "slopes":
+        assert fused == 1
+    else:
+        assert fused == 0 and "the gradient of a tensor the chain reads with a dynamic shape" in caplog.text
 
 
 def _masked_below_a_wider_fill(q, k, v, weights):

@@ -408,12 +408,12 @@ def _gradient_reads(region: AttentionRegion, matched: RegionBackward, chain: tor
     """How the kernel gives the gradient of each captured tensor R_bwd hands one out for, or why it cannot."""
     reads = []
     indices = sorted(i - 3 for i in matched.grads.values() if 3 <= i < _sink_index(region))
-    if indices and not all(isinstance(size, int) for size in _val(region.score_root).shape):
-        return "the gradient of a tensor the chain reads, at a dynamic shape"
     for index in indices:
         read = gradient_read(chain, index, _val(region.captured[index]), _val(region.score_root))
         if isinstance(read, str):
             return read
+        if not all(isinstance(size, int) for size in read.shape):
+            return "the gradient of a tensor the chain reads with a dynamic shape"
         reads.append(read)
     return reads
 
