@@ -352,6 +352,29 @@ def test_dynamic_lengths_train_fused_in_one_graph(name, caplog):
     testing.check_gpu_front_end(code)
 
 
+@pytest.mark.parametrize("fn,make_inputs", [
+    (programs.attention_sinks, programs.sinks_inputs), (programs.diff_transformer_causal, programs.diff_inputs),
+])
+def test_sinks_and_head_pairs_train_fused_at_a_dynamic_length(fn, make_inputs):
+    """Attention sinks (their logits learned) and DIFF Transformer's code (λ learned) at a symbolic length: fused,
+    no recompile at a third length, every gradient float64 autograd's."""
+    from torch._inductor.utils import fresh_cache
+
+    torch._dynamo.reset()
+    with testing.cpu_triton(), config.patch(sdpa_pattern_policy="flashlight"), fresh_cache():
+        compiled = torch.compile(fn)
+        for length in (40, 53, 29):
+            inputs = make_inputs(B=1, H=4, S=length, D=16, generator=torch.Generator().manual_seed(length))
+            operands = [t.requires_grad_() for t in inputs.values()]
+            counters.clear()
+            out = compiled(*operands)
+            grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(length))
+            out.backward(grad)
+            assert_matches_eager(fn, operands, {}, out, [t.grad for t in operands], grad)
+            assert counters["inductor"]["flashlight_attention_fused_for_training"] == (0 if length == 29 else 1)
+            assert counters["inductor"]["flashlight_compile_fx"] == (0 if length == 29 else 1)
+
+
 def _alibi_with_learned_tensors(q, k, v, slopes, key_bias):
     s = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
     pos = torch.arange(k.shape[-2], device=q.device)

@@ -16,11 +16,12 @@ Rule (each point checked, otherwise the graph is left as it is): every use of ``
 the same dim ``k`` (after ``k`` full slices, or ``select``), a term; from each term, through ops with no other user,
 only these lead to the left operand of a matmul: add or sub of two values of the combination (terms, or such ops
 of them; a number or another tensor added would not distribute), neg, and mul or div by an operand that does not
-depend on ``X`` and is constant along the contracted dim (a number, or a tensor whose last dim is 1), the term once
-among its operands; all those matmuls share one right operand ``V`` of the terms' rank and dtype, every value of
-the combination has that dtype and requires grad (inference, and a combination made under ``no_grad``, keep the
-post-grad form, which combines the heads inside the kernel); between the first term and the last matmul nothing
-is written in place and no grad-mode or autocast region begins or ends (the copies run where the matmuls stand).
+depend on ``X`` and is constant along the contracted dim (a number, a 0-d tensor, or a tensor whose last dim is
+1), the term once among its operands; all those matmuls share one right operand ``V`` of the terms' rank and
+dtype, every value of the combination has that dtype and requires grad (inference, and a combination made under
+``no_grad``, keep the post-grad form, which combines the heads inside the kernel); between the first term and the
+last matmul nothing is written in place and no grad-mode or autocast region begins or ends (the copies run where
+the matmuls stand).
 """
 
 from __future__ import annotations
