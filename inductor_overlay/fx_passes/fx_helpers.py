@@ -217,6 +217,7 @@ def _scalar_fills(module: torch.fx.GraphModule) -> torch.fx.GraphModule:
     user, a pointwise op, gives the same shape and dtype with it (the same values, broadcast): a graph module is
     pickled as its code and traced again when loaded (AOTAutograd's cache), and that tracing cannot follow a length
     inside the size list of an op with no tensor operand."""
+    changed = False
     for node in list(module.graph.find_nodes(op="call_function", target=aten.full.default)):
         value = node.meta.get("val")
         if not isinstance(value, torch.Tensor) or not any(isinstance(n, torch.fx.Node) for n in node.args[0]):
@@ -226,7 +227,9 @@ def _scalar_fills(module: torch.fx.GraphModule) -> torch.fx.GraphModule:
         if node.users and all(_same_result_with(user, node, scalar) for user in node.users):
             node.args = ([], *node.args[1:])
             node.meta["val"] = scalar
-    module.recompile()
+            changed = True
+    if changed:
+        module.recompile()
     return module
 
 
@@ -242,9 +245,9 @@ def _same_result_with(user: torch.fx.Node, operand: torch.fx.Node, replacement: 
         return False
     # A 0-d tensor takes no part in type promotion within its category: the op must compute in the fill's dtype
     # either way, so every operand it promotes with has that dtype (a where's condition is not promoted).
-    promoted = user.args[1:] if user.target is aten.where.self else user.args
-    if user.target is aten.where.self and user.args[0] is operand:
-        promoted = ()
+    promoted = user.args
+    if user.target is aten.where.self:
+        promoted = () if user.args[0] is operand else user.args[1:]
     if any(isinstance(a, torch.fx.Node) and a is not operand and values[a].dtype != replacement.dtype for a in promoted):
         return False
     args, kwargs = torch.fx.node.map_arg((user.args, user.kwargs), values.__getitem__)

@@ -34,6 +34,7 @@ from typing import Any, Optional
 import torch
 
 from inductor_overlay import config
+from inductor_overlay.fx_passes.block_sparsity import depends_on
 from inductor_overlay.fx_passes.fx_helpers import restore_graph
 
 log = logging.getLogger("flashlight.attention_fusion")
@@ -46,7 +47,8 @@ _LINEAR_FUNCTIONS = {
 _LINEAR_METHODS = {"add": "add", "sub": "sub", "mul": "mul", "div": "div", "neg": "neg"}
 
 
-def _val(node: Any) -> Any:
+def _example(node: Any) -> Any:
+    """Dynamo's value of ``node`` (its ``example_value``; fx_helpers._val reads the post-grad ``val``)."""
     return node.meta.get("example_value") if isinstance(node, torch.fx.Node) else node
 
 
@@ -70,7 +72,7 @@ def _is_matmul(node: torch.fx.Node) -> bool:
 
 def _split_index(node: torch.fx.Node, heads: torch.fx.Node) -> Optional[tuple[int, int]]:
     """``(k, j)`` when ``node`` is ``heads[:, ..k full slices.., j]`` or ``heads.select(k, j)``."""
-    shape = getattr(_val(heads), "shape", None)
+    shape = getattr(_example(heads), "shape", None)
     if shape is None:
         return None
     if node.op == "call_function" and node.target is operator.getitem and node.args[0] is heads:
@@ -94,22 +96,10 @@ def _split_index(node: torch.fx.Node, heads: torch.fx.Node) -> Optional[tuple[in
     return dim, j % shape[dim]
 
 
-def _depends_on(node: Any, target: torch.fx.Node) -> bool:
-    stack, seen = [node], set()
-    while stack:
-        current = stack.pop()
-        if current is target:
-            return True
-        if isinstance(current, torch.fx.Node) and current not in seen:
-            seen.add(current)
-            stack.extend(current.all_input_nodes)
-    return False
-
-
 def _constant_along_contraction(coefficient: Any) -> bool:
     if isinstance(coefficient, (int, float)):
         return True
-    value = _val(coefficient)
+    value = _example(coefficient)
     return isinstance(value, torch.Tensor) and (value.dim() == 0 or value.shape[-1] == 1)
 
 
@@ -136,7 +126,7 @@ def _follow_to_matmul(term: torch.fx.Node, heads: torch.fx.Node, chain: list[tor
         elif kind in ("mul", "div"):
             if (kind == "div" and operands[0] is not node) or not _constant_along_contraction(other):
                 return None
-            if isinstance(other, torch.fx.Node) and _depends_on(other, heads):
+            if isinstance(other, torch.fx.Node) and depends_on(other, heads, {}):
                 return None  # a product of two terms is not linear
         chain.append(user)
         node = user
@@ -188,12 +178,12 @@ def _plan(heads: torch.fx.Node) -> Optional[tuple[int, torch.fx.Node, dict[torch
         return None
     v = values.pop()
     nodes = [*combination, v, *roots]
-    if not all(isinstance(_val(n), torch.Tensor) for n in nodes):
+    if not all(isinstance(_example(n), torch.Tensor) for n in nodes):
         return None
-    term_value, v_value = _val(users[0]), _val(v)
-    if v_value.dim() != term_value.dim() or _depends_on(v, heads) or len({_val(n).dtype for n in nodes}) != 1:
+    term_value, v_value = _example(users[0]), _example(v)
+    if v_value.dim() != term_value.dim() or depends_on(v, heads, {}) or len({_example(n).dtype for n in nodes}) != 1:
         return None
-    if not all(_val(n).requires_grad for n in [*combination, *roots]):
+    if not all(_example(n).requires_grad for n in [*combination, *roots]):
         return None
     # The new matmul reads X and V where the first of the matmuls stands, the copies run beside each matmul:
     # nothing may be written, nor a grad-mode or autocast region entered or left, in between.
@@ -206,7 +196,7 @@ def _plan(heads: torch.fx.Node) -> Optional[tuple[int, torch.fx.Node, dict[torch
 
 def _with_value(node: torch.fx.Node) -> torch.fx.Node:
     """``node`` with its ``example_value`` computed from its inputs' (a copied node carries its original's)."""
-    args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), _val)
+    args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), _example)
     modes = {id(t.fake_mode): t.fake_mode for t in (*args, *kwargs.values()) if hasattr(t, "fake_mode")}
     with next(iter(modes.values())) if len(modes) == 1 else contextlib.nullcontext():
         if node.op == "call_method":
