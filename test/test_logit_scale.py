@@ -97,3 +97,43 @@ def test_scale_stays_in_the_chain_when_it_cannot_fold(fn, patches):
     assert _logit_scale(kernel) == LOG2E
     FileCheck().check("scores = tl.dot(").check(" * ").check("logits = ").run(kernel)
     testing.assert_close_to_reference(out, fn(q.double(), k.double(), v.double()))
+
+
+def scaled_by_tensor(q, k, v, scale):
+    return torch.softmax(q @ k.transpose(-2, -1) * scale, dim=-1) @ v
+
+
+def divided_by_tensor(q, k, v, scale):
+    return torch.softmax(q @ k.transpose(-2, -1) / scale, dim=-1) @ v
+
+
+def soft_capped_by_tensor(q, k, v, scale):
+    return torch.softmax(30.0 * torch.tanh(q @ k.transpose(-2, -1) * scale / 30.0), dim=-1) @ v
+
+
+@pytest.mark.parametrize("fn", [scaled_by_tensor, divided_by_tensor], ids=["times", "divided"])
+@pytest.mark.parametrize("scale", [[0.5, -0.7, 1.3, -2.0], [0.0, 0.5, -0.5, 2.0]], ids=["signs", "zero"])
+def test_scale_known_at_run_time_is_read_by_the_kernel(fn, scale):
+    """Upstream rewrites a softmax scaled by a tensor into the sign trick (``exp((x·s − max x·s)·(s·c))``); the
+    overlay gives the logits back (``fx_passes/signed_scales.py``) and the kernel multiplies each logit by the
+    per-head scale it reads. Negative scales and a zero (a NaN head when dividing) give eager's values."""
+    q, k, v = (torch.randn(2, 4, 40, 16) for _ in range(3))
+    c = torch.tensor(scale).view(4, 1, 1)
+    out, kernel = _compile(fn, q, k, v, c)
+    assert _logit_scale(kernel) == LOG2E
+    FileCheck().check("scores = tl.dot(").check("tl.load(").check("logits = ").check_not("tl.where(tmp").run(kernel)
+    expected = fn(q.double(), k.double(), v.double(), c.double())
+    assert torch.equal(out.isnan(), expected.isnan())
+    testing.assert_close_to_reference(out, expected)
+
+
+def test_zero_dim_cpu_tensor_read_by_the_chain():
+    """A 0-d tensor (``torch.tensor(0.7)``, which eager lets meet tensors of any device) is handed to a GPU kernel
+    as a scalar by Inductor; the chain reads it from a one-element buffer instead of loading from a scalar."""
+    q, k, v = (torch.randn(2, 4, 40, 16) for _ in range(3))
+    c = torch.tensor(0.7)
+    with testing.cpu_triton(), config.patch(sdpa_pattern_policy="flashlight"):
+        out, code = testing.compile_and_get_code(soft_capped_by_tensor, q, k, v, c, fresh_cache=True)
+    [kernel] = [text for text in testing.triton_kernels(code).values() if "for start_n in range(" in text]
+    FileCheck().check("scores = tl.dot(").check("tl.load(in_ptr").check("tanh").run(kernel)
+    testing.assert_close_to_reference(out, soft_capped_by_tensor(q.double(), k.double(), v.double(), c.double()))

@@ -25,6 +25,15 @@ TRAINING_REGRESSIONS = {
     270163: ({}, "the joint graph reached the training pass out of topological order (an upstream replacement is "
                  "sorted only after the custom pass): the fault wrapper's copy of it raised and the compile failed"),
 }
+# The same, compiled with every size symbolic (``torch.compile(dynamic=True)``; ``random_programs --dynamic``):
+# seed -> (training, what it found).
+DYNAMIC_REGRESSIONS = {
+    410122: (False, "a symbolic product of sizes in a K/V batch offset printed unparenthesised after `%`: the heads of "
+                    "K/V repeated over query groups read from the wrong batch entry (wrong values)"),
+    410443: (False, "a head combination over a symbolic number of heads compared a SymBool as a number (fault)"),
+    400708: (True, "a learned mask's per-logit gradient indexed its partial by symbolic batch sizes written into the "
+                   "kernel as names it does not have (the compile raised)"),
+}
 # Captured tensors that meet before the scores (``random_programs.COMBINED``): one seed of each form, pinned, each of
 # which must fuse. The window view (Swin's mask on a view of the scores that splits the batch dim) was declined until
 # batch views lifted through a gathered per-head bias onto a view of the matmul.
@@ -45,6 +54,13 @@ def test_regression_seeds(seed):
 def test_training_regression_seeds(seed):
     program = random_programs.draw(seed, **TRAINING_REGRESSIONS[seed][0])
     ok, _, detail = random_programs.check(program, training=True)
+    assert ok, f"{program.describe()}: {detail}"
+
+
+@pytest.mark.parametrize("seed", sorted(DYNAMIC_REGRESSIONS))
+def test_dynamic_regression_seeds(seed):
+    program = random_programs.draw(seed)
+    ok, _, detail = random_programs.check(program, training=DYNAMIC_REGRESSIONS[seed][0], dynamic=True)
     assert ok, f"{program.describe()}: {detail}"
 
 

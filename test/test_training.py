@@ -44,7 +44,7 @@ def float64(tensor):
     return tensor.detach().double() if tensor.is_floating_point() else tensor
 
 
-def train_on_cpu(fn, operands, extras, grad_seed=0, **overlay):
+def train_on_cpu(fn, operands, extras, grad_seed=0, dynamic=None, **overlay):
     """Compile ``fn`` afresh, run it forward and backward at a fresh random upstream gradient; returns the output,
     the operands' gradients, the upstream gradient and the generated code of both graphs."""
     from torch._inductor.utils import fresh_cache
@@ -53,7 +53,7 @@ def train_on_cpu(fn, operands, extras, grad_seed=0, **overlay):
     with testing.cpu_triton(), config.patch(**{"sdpa_pattern_policy": "flashlight", **overlay}), fresh_cache():
 
         def step():
-            out = torch.compile(fn)(*operands, **extras)
+            out = torch.compile(fn, dynamic=dynamic)(*operands, **extras)
             grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(grad_seed), dtype=out.dtype)
             out.backward(grad)
             return out, grad
@@ -373,6 +373,40 @@ def test_sinks_and_head_pairs_train_fused_at_a_dynamic_length(fn, make_inputs):
             assert_matches_eager(fn, operands, {}, out, [t.grad for t in operands], grad)
             assert counters["inductor"]["flashlight_attention_fused_for_training"] == (0 if length == 29 else 1)
             assert counters["inductor"]["flashlight_compile_fx"] == (0 if length == 29 else 1)
+
+
+@pytest.mark.parametrize("name", ["vanilla", "softcap", "sliding_window", "gemma2"])
+def test_every_size_symbolic_trains_fused(name):
+    """``torch.compile(dynamic=True)`` makes every size symbolic, the head dim too, so the softmax's scale 1/√d is a
+    tensor known at run time: upstream splits its sign off (given back by ``signed_scales``), a pattern leaves an
+    unlabelled multiply by it in the backward (``attention_training._convex``), and Gemma-2's chain reads it as a 0-d
+    tensor. Each trains fused and matches float64 autograd."""
+    variant = variants.VARIANTS[name]
+    operands, extras = operands_of(variant, variants.Shape(B=2, H=4, M=45, N=45, D=16))
+    counters.clear()
+    out, grads, grad, code = train_on_cpu(variant.reference, operands, extras, dynamic=True)
+    assert counters["inductor"]["flashlight_attention_fused_for_training"] == 1
+    assert_matches_eager(variant.reference, operands, extras, out, grads, grad)
+    assert len([text for text in testing.triton_kernels(code).values() if "grad_scores" in text]) == 1
+
+
+def _per_head_temperature(q, k, v, temperature):
+    return torch.softmax(q @ k.transpose(-2, -1) / temperature, dim=-1) @ v
+
+
+def test_learned_temperature_of_an_unmasked_softmax_trains_fused():
+    """A per-head temperature that requires grad, of both signs, dividing the scores of an unmasked softmax (which
+    upstream rewrites with the sign trick): fused, the temperature's gradient from the backward kernel, all gradients
+    float64 autograd's."""
+    generator = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(2, 4, 40, 16, generator=generator).requires_grad_() for _ in range(3))
+    temperature = torch.tensor([0.5, -0.7, 1.3, -2.0]).view(4, 1, 1).requires_grad_()
+    operands = [q, k, v, temperature]
+    counters.clear()
+    out, grads, grad, code = train_on_cpu(_per_head_temperature, operands, {})
+    assert counters["inductor"]["flashlight_attention_fused_for_training"] == 1
+    assert_matches_eager(_per_head_temperature, operands, {}, out, grads, grad)
+    assert_fused_training(code, 2 * 4 * 40 * 40, extern_calls=None)
 
 
 def _alibi_with_learned_tensors(q, k, v, slopes, key_bias):

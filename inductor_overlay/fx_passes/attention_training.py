@@ -52,7 +52,7 @@ from inductor_overlay.fx_passes.attention_region import (
     is_softmax_output,
 )
 from inductor_overlay.fx_passes.block_sparsity import is_op as _is
-from inductor_overlay.fx_passes.captured_gradients import gradient_of_read, gradient_read, read_vjp_module
+from inductor_overlay.fx_passes.captured_gradients import FULL, gradient_of_read, gradient_read, read_vjp_module
 from inductor_overlay.fx_passes.chain_modules import _score_chain_module, traced_joint
 from inductor_overlay.fx_passes.fx_helpers import (
     _MATMULS,
@@ -190,11 +190,17 @@ def _operand_of(value: torch.fx.Node, operands: list[Optional[torch.fx.Node]], b
 
 
 def _convex(nodes: set) -> set:
-    """``nodes`` with every backward node between two of them (the backward of an op a joint-graph pattern replaced
-    in the forward, which lost its number there: a softmax's scale)."""
+    """``nodes`` with every backward node between two of them: the backward of an op a joint-graph pattern replaced
+    in the forward, which lost its number there (a softmax's scale), and a node such a pattern made in the backward,
+    which carries no label at all (the multiply by a scale computed from a symbolic head dim): one between two
+    backward nodes reads what the backward computed, so it is part of it."""
     after = _reached(nodes, lambda node: node.users)
     before = _reached(nodes, lambda node: node.all_input_nodes)
-    return nodes | {n for n in after & before if n.op == "call_function" and is_backward(n)}
+    return nodes | {n for n in after & before if n.op == "call_function" and (is_backward(n) or _unlabelled(n))}
+
+
+def _unlabelled(node: torch.fx.Node) -> bool:
+    return "seq_nr" not in node.meta and "partitioner_tag" not in node.meta
 
 
 def _reached(nodes: set, neighbours) -> set:
@@ -414,6 +420,9 @@ def _gradient_reads(region: AttentionRegion, matched: RegionBackward, chain: tor
             return read
         if not all(isinstance(size, int) for size in read.shape):
             return "the gradient of a tensor the chain reads with a dynamic shape"
+        if read.kind == FULL and not all(isinstance(size, int) for size in _val(region.score_root).shape[:-2]):
+            # (Its partial's batch entry is computed from the scores' batch sizes, which the kernel has as numbers.)
+            return "the gradient of a tensor read per logit over batch dims of a dynamic size"
         reads.append(read)
     return reads
 

@@ -199,6 +199,8 @@ def distribute_over_heads(pv: torch.fx.Node, dead: frozenset = frozenset()) -> O
         return Decline("the matmul's left operand is not a combination of head slices")
     heads, dim = found.heads, found.dim
     head_shape = tuple(_val(heads).shape)
+    if not isinstance(head_shape[dim], int):
+        return Decline("the number of heads the combination splits is symbolic")
     if sorted(s.args[2] % head_shape[dim] for s in found.terms) != list(range(head_shape[dim])):
         return Decline("the combination does not use every head of the split dim exactly once")
 

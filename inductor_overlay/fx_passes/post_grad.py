@@ -30,6 +30,7 @@ from inductor_overlay.fx_passes.head_groups_pre_grad import distribute_head_grou
 from inductor_overlay.fx_passes.pair_matmul import rewrite_pair_matmuls
 from inductor_overlay.fx_passes.scaled_matmuls import split_baddbmm_scores
 from inductor_overlay.fx_passes.score_views import move_batch_views_off_score_chains
+from inductor_overlay.fx_passes.signed_scales import rejoin_signed_scales
 from inductor_overlay.kernel import attention_backward, mask_cell_states, online_softmax_attention  # noqa: F401  (register the ops' lowerings)
 from inductor_overlay.state import overlay_active
 
@@ -37,6 +38,7 @@ GraphPass = Callable[[torch.fx.Graph], None]
 
 # Passes run in this order on every post-grad graph while the overlay is active.
 POST_GRAD_PASSES: list[GraphPass] = [
+    rejoin_signed_scales,
     split_baddbmm_scores,
     move_batch_views_off_score_chains,
     tabulate_distance_functions,
@@ -57,7 +59,7 @@ def overlay_source_hash() -> str:
 
 
 # Passes run in this order on every joint forward+backward graph (training), after upstream's joint passes.
-JOINT_PASSES: list[GraphPass] = [fuse_attention_for_training]
+JOINT_PASSES: list[GraphPass] = [rejoin_signed_scales, fuse_attention_for_training]
 
 # Passes run on Dynamo's graph (torch IR), before AOTAutograd: each leaves the graph as it was on any failure.
 PRE_GRAD_PASSES: list[GraphPass] = [distribute_head_groups_before_autograd]

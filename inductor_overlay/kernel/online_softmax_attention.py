@@ -25,7 +25,7 @@ import sympy
 import torch
 from torch._inductor import config as inductor_config
 from torch._inductor import ir
-from torch._inductor.lowering import empty_strided, register_lowering
+from torch._inductor.lowering import empty_strided, lowerings, register_lowering
 from torch._inductor.select_algorithm import (
     SymbolicGridFn,
     TritonTemplate,
@@ -43,6 +43,7 @@ from inductor_overlay.kernel import template_files, tile_tests
 
 
 aten = torch.ops.aten
+prims = torch.ops.prims
 
 LOG2E = fused_ops.LOG2E  # exp(x) = exp2(x * LOG2E)
 
@@ -62,7 +63,8 @@ def _batch_offset(name: str, rank: int, z: str = "fl_z") -> str:
     for dim in reversed(range(rank)):
         size, stride = f'{{{{size("{name}", {dim})}}}}', f'{{{{stride("{name}", {dim})}}}}'
         index = f"({z} // ({' * '.join(inner)}))" if inner else z
-        terms.append(f"({index} % {size}) * {stride}" if dim > 0 else f"{index} * {stride}")
+        # (Sizes and strides in parentheses: symbolic ones print as products or sums, ``s4*s5``.)
+        terms.append(f"({index} % ({size})) * ({stride})" if dim > 0 else f"{index} * ({stride})")
         inner.append(size)
     return " + ".join(reversed(terms)) or "0"
 
@@ -579,10 +581,12 @@ def _shares_v_tile(chain: Any, groups: int, operands: Sequence[Any], dv: Any, pl
     return groups * dv_tile <= overlay_config.shared_v_max_accumulator_columns
 
 
-def _with_fixed_layout(tensor: Any) -> Any:
+def _with_fixed_layout(tensor: Any, device: Optional[torch.device] = None) -> Any:
     """A captured tensor realised with the layout the chain indexes it by. A view Inductor keeps over a buffer (BLOOM's
     positions, ``cumsum`` of a ``full`` of ones expanded per row, on the GPU) becomes that buffer read through its
-    strides, or a copy."""
+    strides, or a copy. A 0-d tensor is read from a one-element buffer on the kernel's ``device``."""
+    if device is not None and not tensor.get_size():
+        tensor = _one_element_buffer(tensor, device)
     tensor.realize()
     try:
         tensor.freeze_layout()
@@ -591,10 +595,20 @@ def _with_fixed_layout(tensor: Any) -> Any:
         return ir.TensorBox(ir.ExternKernel.realize_input(tensor))
 
 
+def _one_element_buffer(tensor: Any, device: torch.device) -> Any:
+    """A 0-d tensor as a 0-d view of a buffer of one element on ``device``. Inductor hands a GPU kernel a 0-d CPU
+    buffer as a scalar argument (eager lets a CPU 0-d tensor meet CUDA tensors, a temperature made with
+    ``torch.tensor(0.7)``), and the chain loads what it reads: a load of a scalar does not compile."""
+    one = lowerings[aten.reshape.default](tensor, [1])
+    if one.get_device() != device:
+        one = lowerings[prims.device_put.default](one, device)
+    return lowerings[aten.reshape.default](ir.TensorBox(ir.ExternKernel.copy_input(one)), [])
+
+
 def score_problem(q, kt, v, captured, chain) -> tuple:
     """What every lowering of an attention node starts from: the device, the captured tensors realised with fixed
     layouts, the sizes (m, d, n, dv), the batch dims, their product z and the score tensor's size."""
-    captured = [_with_fixed_layout(tensor) for tensor in captured]
+    captured = [_with_fixed_layout(tensor, q.get_device()) for tensor in captured]
     m, d = q.get_size()[-2:]
     n, dv = kt.get_size()[-1], v.get_size()[-1]
     batch_shape = [size.node.expr if isinstance(size, torch.SymInt) else size for size in chain.batch_shape]
