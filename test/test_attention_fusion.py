@@ -122,6 +122,24 @@ def test_non_contiguous_operands_are_read_in_place():
     testing.assert_close_to_reference(out, reference(variants.alibi_slopes_tensor, q, k, v, slopes=slopes))
 
 
+def _sliced_five_dimensional(q, k, v):
+    q, k, v = q[:, :, 1:], k[:, :, 1:], v[:, :, 1:]
+    return torch.softmax(q @ k.transpose(-1, -2) * 0.25, dim=-1) @ v
+
+
+def test_symbolic_batch_sizes_that_print_as_sums_index_their_entries():
+    """Three batch dims, one sliced, every size symbolic (``dynamic=True``): the sliced size prints as ``(-1) +
+    ks1``, and each size in a batch offset keeps its parentheses, so each program reads its own batch entry."""
+    q, k, v = (fresh(2, 3, 4, 16, 8) for _ in range(3))
+    counters.clear()
+    with testing.cpu_triton(), config.patch(sdpa_pattern_policy="flashlight"):
+        out, code = testing.compile_and_get_code(_sliced_five_dimensional, q, k, v, compile_options={"dynamic": True})
+    assert counters["inductor"]["flashlight_attention_fused"] == 1
+    [kernel] = [text for text in testing.triton_kernels(code).values() if "for start_n in range(" in text]
+    FileCheck().check("q_base = Q + (fl_z // ((").run(kernel)
+    testing.assert_close_to_reference(out, reference(_sliced_five_dimensional, q, k, v))
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_half_precision_inputs_accumulate_in_fp32(dtype):
     q, k, v = (fresh(2, 3, 33, 16, dtype=dtype) for _ in range(3))

@@ -409,6 +409,24 @@ def test_learned_temperature_of_an_unmasked_softmax_trains_fused():
     assert_fused_training(code, 2 * 4 * 40 * 40, extern_calls=None)
 
 
+def _soft_capped_by_a_learned_scalar(q, k, v, scale):
+    return torch.softmax(torch.tanh(q @ k.transpose(-2, -1) * scale), dim=-1) @ v
+
+
+def test_learned_scalar_with_every_size_symbolic_trains_on_upstreams_path():
+    """A learned 0-d scale with every size symbolic: its derivative would be traced at the scores' symbolic batch
+    sizes, so the attention trains on upstream's path, with its reason in the log, and every gradient matches (fused,
+    its backward graph would fail to compile, on the fallback path too)."""
+    generator = torch.Generator().manual_seed(4)
+    operands = [torch.randn(2, 4, 40, 16, generator=generator).requires_grad_() for _ in range(3)]
+    operands.append(torch.tensor(0.7).requires_grad_())
+    counters.clear()
+    out, grads, grad, _ = train_on_cpu(_soft_capped_by_a_learned_scalar, operands, {}, dynamic=True)
+    assert counters["inductor"]["flashlight_training_declined"] == 1
+    assert counters["inductor"]["flashlight_fault_fallback"] == 0
+    assert_matches_eager(_soft_capped_by_a_learned_scalar, operands, {}, out, grads, grad)
+
+
 def _alibi_with_learned_tensors(q, k, v, slopes, key_bias):
     s = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
     pos = torch.arange(k.shape[-2], device=q.device)

@@ -420,9 +420,10 @@ def _gradient_reads(region: AttentionRegion, matched: RegionBackward, chain: tor
             return read
         if not all(isinstance(size, int) for size in read.shape):
             return "the gradient of a tensor the chain reads with a dynamic shape"
-        if read.kind == FULL and not all(isinstance(size, int) for size in _val(region.score_root).shape[:-2]):
-            # (Its partial's batch entry is computed from the scores' batch sizes, which the kernel has as numbers.)
-            return "the gradient of a tensor read per logit over batch dims of a dynamic size"
+        if not all(isinstance(size, int) for size in _val(region.score_root).shape[:-2]):
+            # (A per-logit partial's batch entry is computed from the scores' batch sizes, which the kernel has as
+            # numbers; the read's derivative is traced at the scores' shape, whose batch sizes it would read.)
+            return "the gradient of a tensor the chain reads, over batch dims of a dynamic size"
         reads.append(read)
     return reads
 

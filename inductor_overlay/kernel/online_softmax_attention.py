@@ -65,7 +65,7 @@ def _batch_offset(name: str, rank: int, z: str = "fl_z") -> str:
         index = f"({z} // ({' * '.join(inner)}))" if inner else z
         # (Sizes and strides in parentheses: symbolic ones print as products or sums, ``s4*s5``.)
         terms.append(f"({index} % ({size})) * ({stride})" if dim > 0 else f"{index} * ({stride})")
-        inner.append(size)
+        inner.append(f"({size})")
     return " + ".join(reversed(terms)) or "0"
 
 
