@@ -82,6 +82,10 @@ pair_reduction_max_channels: int = 64
 # table) is computed once per distance, into a small table the kernel reads per logit (fx_passes/distance_tables.py).
 distance_tables: bool = os.environ.get("FLASHLIGHT_DISTANCE_TABLES", "1") != "0"
 
+# A softmax scaled by a tensor (a temperature, or 1/sqrt(d) with every size symbolic) that upstream rewrote into its
+# sign trick gets its logits back where it feeds a matmul (fx_passes/signed_scales.py).
+rejoin_signed_scales: bool = os.environ.get("FLASHLIGHT_REJOIN_SIGNED_SCALES", "1") != "0"
+
 # A ``gather`` off the score path (DeBERTa's content-to-position scores, gathered from a [B·H, M, 2k] matmul at the
 # relative position) moves into the chain: read per logit, no M×N tensor in memory. Off by default: on the H100,
 # DeBERTa-v3's whole forward at B16 S512 ran 4.56 ms with it and 4.39 ms reading the gathered bias (another process;

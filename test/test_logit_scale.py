@@ -137,3 +137,27 @@ def test_zero_dim_cpu_tensor_read_by_the_chain():
     [kernel] = [text for text in testing.triton_kernels(code).values() if "for start_n in range(" in text]
     FileCheck().check("scores = tl.dot(").check("tl.load(in_ptr").check("tanh").run(kernel)
     testing.assert_close_to_reference(out, soft_capped_by_tensor(q.double(), k.double(), v.double(), c.double()))
+
+
+def _softmax_alone(x, scale):
+    return torch.softmax(x * scale, dim=-1).sum(-1)
+
+
+def test_signed_scales_rewrite_only_attention_and_follow_their_switch():
+    """With ``rejoin_signed_scales`` off, a softmax scaled by a tensor keeps upstream's sign trick and the attention
+    runs on upstream's path; a softmax that weighs no matmul keeps it with the switch on."""
+    q, k, v = (torch.randn(2, 4, 40, 16) for _ in range(3))
+    c = torch.tensor([0.5, -0.7, 1.3, -2.0]).view(4, 1, 1)
+    counters = torch._dynamo.utils.counters
+    counters.clear()
+    with testing.cpu_triton(), config.patch(sdpa_pattern_policy="flashlight", rejoin_signed_scales=False):
+        out, _ = testing.compile_and_get_code(scaled_by_tensor, q, k, v, c)
+    assert counters["inductor"]["flashlight_attention_fused"] == 0
+    assert counters["inductor"]["flashlight_signed_scales_rejoined"] == 0
+    testing.assert_close_to_reference(out, scaled_by_tensor(q.double(), k.double(), v.double(), c.double()))
+    counters.clear()
+    x = torch.randn(2, 4, 40, 40)
+    with testing.cpu_triton(), config.patch(sdpa_pattern_policy="flashlight"):
+        out, _ = testing.compile_and_get_code(_softmax_alone, x, c)
+    assert counters["inductor"]["flashlight_signed_scales_rejoined"] == 0
+    testing.assert_close_to_reference(out, _softmax_alone(x.double(), c.double()))

@@ -7,8 +7,8 @@ attention pass, which looks for ``exp(logits − max logits)``, declines. The ru
 exactly that form (the same c in the sign's test and in the factor, the same ``x·s`` on both sides of the
 subtraction, the sign chosen between a scalar 1 and its negation), it becomes ``exp(x·c − max(x·c))`` (``x / c``
 for the division). That is the user's own program again, before upstream's rewrite, so its values are eager's,
-NaN and infinities included; the kernel then scales each logit by c itself. Nodes the rewrite leaves unused are
-erased.
+NaN and infinities included; the kernel then scales each logit by c itself. Only a softmax whose values reach a
+matmul (attention) is rewritten; nodes the rewrite leaves unused are erased.
 """
 
 from __future__ import annotations
@@ -16,9 +16,12 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
+from torch._dynamo.utils import counters
 
+from inductor_overlay import config
+from inductor_overlay.fx_passes.attention_region import reaches_op
 from inductor_overlay.fx_passes.block_sparsity import constant_value, is_op
-from inductor_overlay.fx_passes.fx_helpers import call_op, is_backward
+from inductor_overlay.fx_passes.fx_helpers import _MATMULS, call_op, is_backward
 
 aten = torch.ops.aten
 
@@ -53,11 +56,14 @@ def _split_scale(argument: torch.fx.Node) -> Optional[tuple[torch.fx.Node, torch
 
 
 def rejoin_signed_scales(graph: torch.fx.Graph) -> None:
+    if not (config.attention_fusion and config.rejoin_signed_scales):
+        return
     for exp in list(graph.find_nodes(op="call_function", target=aten.exp.default)):
         argument = exp.args[0]
         found = _split_scale(argument)
-        if found is None:
+        if found is None or not reaches_op(exp, _MATMULS):  # only a softmax that weighs a matmul's operand
             continue
+        counters["inductor"]["flashlight_signed_scales_rejoined"] += 1
         x, scale, row_max = found
         with graph.inserting_before(argument):
             logits = call_op(graph, argument.target, (x, scale))
