@@ -48,10 +48,16 @@ def _unfused(gm: torch.fx.GraphModule, example_inputs: Any) -> torch.fx.GraphMod
         return gm
     inputs = list(example_inputs)
     fake_mode = torch._guards.detect_fake_mode(inputs)
+
+    # Run node by node, not through the module's code: a size the passes wrote into a node's arguments as a SymInt
+    # (a reshape to a symbolic shape) prints there as a name the code does not define.
+    def interpreted(*args: Any) -> Any:
+        return torch.fx.Interpreter(gm).run(*args)
+
     if fake_mode is None:
-        return make_fx(gm, decomposition_table=select_decomp_table(), tracing_mode="fake")(*inputs)
+        return make_fx(interpreted, decomposition_table=select_decomp_table(), tracing_mode="fake")(*inputs)
     with fake_mode:
-        return make_fx(gm, decomposition_table=select_decomp_table())(*inputs)
+        return make_fx(interpreted, decomposition_table=select_decomp_table())(*inputs)
 
 
 def _post_grad_pass_config(overlay_on: bool) -> dict[str, Any]:

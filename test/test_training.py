@@ -427,6 +427,24 @@ def test_learned_scalar_with_every_size_symbolic_trains_on_upstreams_path():
     assert_matches_eager(_soft_capped_by_a_learned_scalar, operands, {}, out, grads, grad)
 
 
+def test_backward_fault_at_symbolic_sizes_falls_back(monkeypatch):
+    """A fault while lowering the fused backward of a graph with every size symbolic: the backward graph (which
+    holds reshapes to symbolic shapes written as SymInts) is traced node by node into upstream's ops and compiled
+    on upstream's path; the gradients still match float64 autograd."""
+
+    def fault(*args, **kwargs):
+        raise RuntimeError("injected fault in the backward's lowering")
+
+    monkeypatch.setattr(attention_backward, "backward_configs", fault)
+    variant = variants.VARIANTS["sliding_window"]
+    operands, extras = operands_of(variant, variants.Shape(B=2, H=4, M=45, N=45, D=16))
+    counters.clear()
+    out, grads, grad, _ = train_on_cpu(variant.reference, operands, extras, dynamic=True)
+    assert counters["inductor"]["flashlight_attention_fused_for_training"] == 1
+    assert counters["inductor"]["flashlight_fault_fallback"] == 1
+    assert_matches_eager(variant.reference, operands, extras, out, grads, grad)
+
+
 def _alibi_with_learned_tensors(q, k, v, slopes, key_bias):
     s = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
     pos = torch.arange(k.shape[-2], device=q.device)
