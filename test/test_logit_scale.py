@@ -161,3 +161,15 @@ def test_signed_scales_rewrite_only_attention_and_follow_their_switch():
         out, _ = testing.compile_and_get_code(_softmax_alone, x, c)
     assert counters["inductor"]["flashlight_signed_scales_rejoined"] == 0
     testing.assert_close_to_reference(out, _softmax_alone(x.double(), c.double()))
+    # In training too, where the softmax's backward reaches the scores' matmul's backward.
+    a, b, w = (torch.randn(2, 4, 40, 16).requires_grad_() for _ in range(3))
+    counters.clear()
+    with testing.cpu_triton(), config.patch(sdpa_pattern_policy="flashlight"):
+        out, _ = testing.compile_and_get_code(_weighted_softmax_alone, a, b, c, w)
+        out.sum().backward()
+    assert counters["inductor"]["flashlight_signed_scales_rejoined"] == 0
+    testing.assert_close_to_reference(out, _weighted_softmax_alone(a.double(), b.double(), c.double(), w.double()))
+
+
+def _weighted_softmax_alone(a, b, scale, w):
+    return (torch.softmax(a @ b.transpose(-2, -1) * scale, dim=-1) * (w @ w.transpose(-2, -1))).sum(-1)

@@ -19,7 +19,7 @@ import torch
 from torch._dynamo.utils import counters
 
 from inductor_overlay import config
-from inductor_overlay.fx_passes.attention_region import reaches_op
+from inductor_overlay.fx_passes.attention_region import chain_uses
 from inductor_overlay.fx_passes.block_sparsity import constant_value, is_op
 from inductor_overlay.fx_passes.fx_helpers import _MATMULS, call_op, is_backward
 
@@ -61,16 +61,23 @@ def rejoin_signed_scales(graph: torch.fx.Graph) -> None:
     for exp in list(graph.find_nodes(op="call_function", target=aten.exp.default)):
         argument = exp.args[0]
         found = _split_scale(argument)
-        if found is None or not reaches_op(exp, _MATMULS):  # only a softmax that weighs a matmul's operand
+        if found is None or not _weighs_a_matmul(exp):
             continue
-        counters["inductor"]["flashlight_signed_scales_rejoined"] += 1
         x, scale, row_max = found
         with graph.inserting_before(argument):
             logits = call_op(graph, argument.target, (x, scale))
             shifted = call_op(graph, aten.sub.Tensor, (logits, call_op(graph, aten.amax.default, (logits, *row_max.args[1:]))))
         _number_as_autograd_did(logits, shifted, x, exp)
         exp.replace_input_with(argument, shifted)
+        counters["inductor"]["flashlight_signed_scales_rejoined"] += 1
         _erase_unused([argument, *argument.args, row_max, *row_max.args[:1], *argument.args[1].args])
+
+
+def _weighs_a_matmul(exp: torch.fx.Node) -> bool:
+    """Whether the exp's values reach a forward matmul through views and pointwise ops (attention's ``P @ V``). In a
+    joint graph the same walk also enters the softmax's backward, which reaches the scores' matmul's backward: those
+    matmuls do not count."""
+    return any(is_op(user, _MATMULS) and not is_backward(user) for user, _ in chain_uses(exp))
 
 
 def _number_as_autograd_did(logits: torch.fx.Node, shifted: torch.fx.Node, x: torch.fx.Node, exp: torch.fx.Node) -> None:
