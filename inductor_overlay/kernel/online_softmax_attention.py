@@ -581,11 +581,11 @@ def _shares_v_tile(chain: Any, groups: int, operands: Sequence[Any], dv: Any, pl
     return groups * dv_tile <= overlay_config.shared_v_max_accumulator_columns
 
 
-def _with_fixed_layout(tensor: Any, device: Optional[torch.device] = None) -> Any:
+def _with_fixed_layout(tensor: Any, device: torch.device) -> Any:
     """A captured tensor realised with the layout the chain indexes it by. A view Inductor keeps over a buffer (BLOOM's
     positions, ``cumsum`` of a ``full`` of ones expanded per row, on the GPU) becomes that buffer read through its
     strides, or a copy. A 0-d tensor is read from a one-element buffer on the kernel's ``device``."""
-    if device is not None and not tensor.get_size():
+    if not tensor.get_size():
         tensor = _one_element_buffer(tensor, device)
     tensor.realize()
     try:
