@@ -352,6 +352,27 @@ def test_dynamic_lengths_train_fused_in_one_graph(name, caplog):
     testing.check_gpu_front_end(code)
 
 
+@pytest.mark.parametrize("name", ["sliding_window", "softcap"])
+def test_tiles_inside_a_symbolic_length_run_without_bounds_tests(name, caplog):
+    """A symbolic length is not known to be a multiple of the tile, but every tile before its last, partial one
+    lies inside the bounds: the forward's and both of the backward's loops run those tiles without bounds tests,
+    and the rest (with them) in a second loop. Gradients match float64 autograd at lengths with and without a
+    partial tile (53, 48: the second runs the symbolic graph too)."""
+    (_, _), (second, code), (third, _) = _train_over_lengths(variants.VARIANTS[name], (40, 53, 48), caplog)
+    assert second["flashlight_attention_fused_for_training"] == 1 and "flashlight_compile_fx" not in third
+    kernels = testing.triton_kernels(code).values()
+    (backward,) = [text for text in kernels if "grad_scores" in text]
+    (forward,) = [text for text in kernels if "acc = tl.dot(p, v" in text and text is not backward]
+    FileCheck().check("split_n = tl.minimum(tl.maximum(N - N % BLOCK_N").check(", split_n, BLOCK_N):").check_not(
+        "col_in_bounds").check("if not EVEN_N:").check("for start_n in range(split_n, ").check(
+        "tl.where(col_in_bounds, logits").run(forward)
+    for loop, step, bounded in (("start_m", "BLOCK_M1", "p = tl.where(in_bounds"), ("start_n", "BLOCK_N2", "p = tl.where(in_bounds")):
+        split = "split_" + loop[-1]
+        FileCheck().check(f"{split} = tl.minimum(tl.maximum(interior_end_{loop[-1]}").check(
+            f", {split}, {step}):").check_not("in_bounds, ").check("if not (EVEN_M and EVEN_N):").check(
+            f"for {loop} in range({split}, ").check(bounded).run(backward)
+
+
 @pytest.mark.parametrize("fn,make_inputs", [
     (programs.attention_sinks, programs.sinks_inputs), (programs.diff_transformer_causal, programs.diff_inputs),
 ])

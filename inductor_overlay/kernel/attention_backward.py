@@ -31,6 +31,7 @@ from inductor_overlay.kernel.online_softmax_attention import (
     _autotuned,
     _batch_offset,
     _divides,
+    _ragged,
     _interpreting,
     _lower_score_chain,
     _power_of_two_below,
@@ -50,7 +51,7 @@ def _grid(z, m, n, meta, *, cdiv):
 def backward_template(
     batch_ranks: tuple[int, int, int], masked_tile_code: Optional[str], wide: bool, ids: bool,
     table: Optional[int] = None, captured_grads: tuple = (), positions: Optional[tuple] = None,
-    visible_tile: Optional[tuple] = None, softmax: bool = True,
+    visible_tile: Optional[tuple] = None, softmax: bool = True, ragged: bool = False,
 ) -> TritonTemplate:
     """The backward kernel for operands with the given numbers of batch dims (q, kᵀ, v), position-mask test, row
     statistics (``wide``: the row max and sum apart, ``ops.py``) and id-equality mask (``ids``: its row and column
@@ -60,12 +61,13 @@ def backward_template(
     reads (row, column; None for one it does not read), as the forward's pre-pass reads them; ``visible_tile``: the
     subgraphs of the chain without its masks and of its derivative, and the tests of entirely visible tiles for each
     kind of program (``_visible_tiles``), or None; ``softmax``: False for weights that are the chain's output itself
-    (sigmoid attention, (A·B)·C): no row statistics, and the gradient of the logits is dO Vᵀ."""
+    (sigmoid attention, (A·B)·C): no row statistics, and the gradient of the logits is dO Vᵀ; ``ragged``: the loops
+    over tiles split where the tiles leave the bounds (``online_softmax_attention._ragged``)."""
     offsets = {f"{name.lower()}_offset": _batch_offset(name, rank) for name, rank in zip(("Q", "KT", "V"), batch_ranks)}
     source = template_files.render(
         "attention_backward.py.jinja", masked_tile=masked_tile_code, wide=wide, ids=ids, table=table,
         captured_grads=[dict(grad) for grad in captured_grads], positions=positions,
-        visible_tile=None if visible_tile is None else dict(visible_tile), softmax=softmax, **offsets,
+        visible_tile=None if visible_tile is None else dict(visible_tile), softmax=softmax, ragged=ragged, **offsets,
     )
     return _template_of(source)
 
@@ -236,10 +238,6 @@ def online_softmax_attention_backward_lowering(
     layout = ir.FixedLayout(device, q.get_dtype(), dq_size, ir.FlexibleLayout.contiguous_strides(dq_size))
     fp32_dot = q.get_dtype() == torch.float32
     wide = not all(expr_fits_within_32bit(t.get_layout().storage_size()) for t in [*operands, *captured])
-    template = backward_template(
-        ranks, masked_tile, chain.wide_logits, chain.id_graph_modules is not None, table, captured_grads, positions,
-        visible_tile, chain.softmax,
-    )
     logit_scale = LOG2E * folded_scale
     choices: list[Any] = []
     # (The wider tiles for a chain that gathers were measured on 16-bit operands.)
@@ -256,7 +254,14 @@ def online_softmax_attention_backward_lowering(
         # boolean mask tensor: H100, bf16, forward + backward, 4×32×4096×64 and 2×16×8192×128, 2026-11-27,
         # results/training/bench_mask_tensor_stages.txt, backward_split_h100.txt.)
         configs = [dict(config, num_stages=1) for config in configs]
-    for config in _autotuned(configs):
+    configs = _autotuned(configs)
+    ragged = any(_ragged([config[f"BLOCK_{dim}{i}"] for config in configs for i in (1, 2)], size)
+                 for dim, size in (("M", m), ("N", n)))
+    template = backward_template(
+        ranks, masked_tile, chain.wide_logits, chain.id_graph_modules is not None, table, captured_grads, positions,
+        visible_tile, chain.softmax, ragged,
+    )
+    for config in configs:
         error = template.maybe_append_choice(
             choices,
             input_nodes=operands,
