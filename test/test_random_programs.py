@@ -33,6 +33,9 @@ DYNAMIC_REGRESSIONS = {
     410443: (False, "a head combination over a symbolic number of heads compared a SymBool as a number (fault)"),
     400708: (True, "a learned mask's per-logit gradient indexed its partial by symbolic batch sizes written into the "
                    "kernel as names it does not have (the compile raised)"),
+    470310: (False, "a table offset by a size the symbolic graph specialised: Inductor printed the integer as "
+                    "tl.full([XBLOCK], 16) in the chain, a name the attention kernel did not define (it raised at "
+                    "run time, on the CPU harness, past the fallback)"),
 }
 # Captured tensors that meet before the scores (``random_programs.COMBINED``): one seed of each form, pinned, each of
 # which must fuse. The window view (Swin's mask on a view of the scores that splits the batch dim) was declined until

@@ -277,6 +277,9 @@ def online_softmax_attention_backward_lowering(
             TINY_LOGIT_SCALE=_power_of_two_below(logit_scale),
             FOLDED_SCALE=folded_scale,
             SCAN_TILES=16,
+            # Inductor prints an integer index in the chain (a size a symbolic graph specialised) as
+            # tl.full([XBLOCK], i), XBLOCK being a pointwise kernel's block: here one element, broadcast.
+            XBLOCK=1,
             POSITION_DTYPE="tl.int64" if wide else "tl.int32",
             DOT_PRECISION="'tf32'" if fp32_dot and torch.backends.cuda.matmul.allow_tf32 else "'ieee'",
             UPCAST_DOT_OPERANDS=_interpreting(),

@@ -756,6 +756,9 @@ def _lower_attention(q, kt, v, captured, sink, chain, group_coefficients=None, p
             LAST_ROWS_FIRST=overlay_config.last_rows_first,
             BATCH_FASTEST=chain.batch_fastest,
             SCAN_TILES=64 if overlay_config.vector_tile_scan else 1,
+            # Inductor prints an integer index in the chain (a size a symbolic graph specialised) as
+            # tl.full([XBLOCK], i), XBLOCK being a pointwise kernel's block: here one element, broadcast.
+            XBLOCK=1,
             POSITION_DTYPE="tl.int64" if wide else "tl.int32",
             MASK_CELL=fused_ops.TABLE_CELL,
             CELLS_M=max(config["BLOCK_M"] // fused_ops.TABLE_CELL, 1),
