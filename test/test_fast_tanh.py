@@ -20,9 +20,9 @@ from test.test_attention_fusion import reference
 counters = torch._dynamo.utils.counters
 
 
-def compile_as_on_the_gpu(fn, *args):
+def compile_as_on_the_gpu(fn, *args, **options):
     with testing.cpu_triton(), mock.patch.object(online_softmax_attention, "approximates_tanh", lambda device: True):
-        return testing.compile_and_get_code(fn, *args)
+        return testing.compile_and_get_code(fn, *args, **options)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -49,6 +49,21 @@ def test_float32_tanh_of_the_upcast_16_bit_score_takes_the_gpu_tanh():
     FileCheck().check_not("libdevice.tanh").run(kernel)
     assert counters["inductor"]["flashlight_attention_fused"] == 1
     testing.assert_close_to_reference(out, reference(variants.gemma2_local, *args))
+
+
+@pytest.mark.parametrize("program", [variants.gemma2_local, variants.softcap_tanh])
+def test_soft_cap_by_run_time_values_takes_the_gpu_tanh(program):
+    """With every size symbolic the softmax's 1/√d and the soft-cap (a float Dynamo does not specialise there) reach
+    the chain as run-time values, not constants: a 16-bit score times or over them still carries its rounding into
+    eager's tanh, so the kernel takes the instruction (with libdevice's, Gemma-2's training step under
+    ``dynamic=True`` took 2.6× the static graph's time on the H100, with the instruction 1.7×)."""
+    args = [torch.randn(1, 2, 80, 16, dtype=torch.bfloat16) for _ in range(3)]
+    out, code = compile_as_on_the_gpu(program, *args, compile_options=dict(dynamic=True))
+    (kernel,) = [text for text in testing.triton_kernels(code).values() if "acc = tl.dot(p, v" in text]
+    FileCheck().check("M = ks").check("tl.load(in_ptr").check("tanh.approx.f32").run(kernel)
+    FileCheck().check_not("libdevice.tanh").run(kernel)
+    assert counters["inductor"]["flashlight_attention_fused"] == 1
+    testing.assert_close_to_reference(out, reference(program, *args))
 
 
 def soft_cap_after_a_bias(q, k, v, bias):
@@ -87,7 +102,9 @@ def chain_graph(fn, score_dtype=torch.bfloat16):
         (lambda s: torch.tanh(s.float() * 0.125), torch.float16, True),
         (lambda s: torch.tanh(s * 0.125), torch.bfloat16, True),  # a 16-bit tanh
         (lambda s: torch.tanh(s * 0.125), torch.float32, False),
-        (lambda s: torch.tanh(s.float() * torch.full((4,), 0.5)), torch.bfloat16, False),  # a tensor, not a constant
+        (lambda s: torch.tanh(s.float() * torch.full((4,), 0.5)), torch.bfloat16, True),  # a tensor free of the scores
+        (lambda s: torch.tanh(torch.full((), 0.5) * s.float() / torch.full((), 3.0)), torch.bfloat16, True),
+        (lambda s: torch.tanh(s.float() * s.float()), torch.bfloat16, False),  # a factor that is the scores
         (lambda s: torch.tanh(s.float() * 0.0), torch.bfloat16, False),  # zero erases the rounding
         (lambda s: torch.tanh(s.float() + 1.0), torch.bfloat16, False),  # an add can cancel
         (lambda s: torch.tanh(s.int().float()), torch.bfloat16, False),  # through integers

@@ -446,14 +446,44 @@ _RELATIVE_ERROR_PRESERVING = {
 }
 
 
+def _free_of_scores(value: Any) -> bool:
+    """Whether ``value`` (an argument of a chain node) is computed without the scores: a constant, a size, a tensor
+    the chain reads, or ops on those."""
+    frontier, seen = [value], set()
+    while frontier:
+        node = frontier.pop()
+        if not isinstance(node, torch.fx.Node) or node in seen:
+            continue
+        seen.add(node)
+        if node.op == "placeholder" and node.target == "scores":
+            return False
+        frontier.extend(node.all_input_nodes)
+    return True
+
+
+def _scales_exactly_enough(value: Any) -> bool:
+    """A factor or divisor that keeps a value's relative error (up to one rounding): a finite non-zero constant, or a
+    value computed without the scores (a run-time scale: the 1/√d or soft-cap a symbolic graph reads as a tensor).
+    Such a value may be 0 or ±inf at run time: the product is then 0, ±inf or NaN, on which ``tanh.approx.f32`` and
+    libdevice's tanh agree (±0, ±1, NaN), as they do on subnormals (returned as they are)."""
+    if isinstance(value, torch.fx.Node):
+        return _free_of_scores(value)
+    return isinstance(value, (int, float)) and math.isfinite(value) and value != 0
+
+
 def _scaled_from_16_bit_score(node: torch.fx.Node, score_dtype: torch.dtype) -> bool:
-    """Whether ``node`` is the 16-bit score placeholder times or over finite non-zero constants (any casts between)."""
+    """Whether ``node`` is the 16-bit score placeholder times or over finite non-zero constants or values computed
+    without the scores (any casts between)."""
     while node.op == "call_function" and node.target in _RELATIVE_ERROR_PRESERVING:
         operand, *others = node.args
+        if node.target is torch.ops.aten.mul.Tensor and isinstance(others[0], torch.fx.Node) and not _free_of_scores(others[0]):
+            operand, others = others[0], [operand]  # the factor written first
         if node.target is torch.ops.prims.convert_element_type.default:
             if not others[0].is_floating_point:
                 return False
-        elif not all(isinstance(c, (int, float)) and math.isfinite(c) and c != 0 for c in others):
+        elif not all(_scales_exactly_enough(c) for c in others):
+            return False
+        if not isinstance(operand, torch.fx.Node):
             return False
         node = operand
     return node.op == "placeholder" and node.target == "scores" and score_dtype in _16_BIT_FLOATS
@@ -465,8 +495,11 @@ def tanhs_of_16_bit_precision(graph_module: torch.fx.GraphModule, score_dtype: t
 
     * a 16-bit tanh: eager rounds its result to 16 bits (bf16: relative 2^-9, fp16: 2^-11);
     * a float32 tanh of the 16-bit score (an fp16/bf16 ``q @ kᵀ``) upcast and scaled by constants (Gemma-2's
-      ``50 * tanh(scores.float() / 50)``): eager's argument carries the score's rounding (2^-9, 2^-11 relative),
-      which moves tanh by as much relatively (its relative condition number ``2x / sinh(2x)`` is at most 1).
+      ``50 * tanh(scores.float() / 50)``) or by values computed without the scores (the same under
+      ``dynamic=True``, where 1/√d and the cap are run-time values): eager's argument carries the score's rounding
+      (2^-9, 2^-11 relative), which moves tanh by as much relatively (its relative condition number
+      ``2x / sinh(2x)`` is at most 1). On the H100 the instruction gives libdevice's ±1, ±0 and NaN at ±inf, ±0
+      and NaN, and keeps subnormals, as eager does (libdevice's flushes them: results/fast_tanh_corner_cases.txt).
 
     A float32 tanh of anything else (float32 scores, an added bias) keeps libdevice's."""
     chosen = set()
