@@ -26,6 +26,7 @@ from inductor_overlay import config as overlay_config
 from inductor_overlay import ops as fused_ops
 from inductor_overlay.kernel import template_files, tile_tests
 from inductor_overlay.kernel.online_softmax_attention import (
+    CHAIN_CONSTANTS,
     LOG2E,
     _16_BIT_FLOATS,
     _autotuned,
@@ -277,9 +278,7 @@ def online_softmax_attention_backward_lowering(
             TINY_LOGIT_SCALE=_power_of_two_below(logit_scale),
             FOLDED_SCALE=folded_scale,
             SCAN_TILES=16,
-            # Inductor prints an integer index in the chain (a size a symbolic graph specialised) as
-            # tl.full([XBLOCK], i), XBLOCK being a pointwise kernel's block: here one element, broadcast.
-            XBLOCK=1,
+            **CHAIN_CONSTANTS,
             POSITION_DTYPE="tl.int64" if wide else "tl.int32",
             DOT_PRECISION="'tf32'" if fp32_dot and torch.backends.cuda.matmul.allow_tf32 else "'ieee'",
             UPCAST_DOT_OPERANDS=_interpreting(),

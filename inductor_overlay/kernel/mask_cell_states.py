@@ -24,7 +24,7 @@ from torch._inductor.select_algorithm import SymbolicGridFn, TritonTemplate, aut
 from torch._inductor.utils import expr_fits_within_32bit
 
 from inductor_overlay.kernel import template_files, tile_tests
-from inductor_overlay.kernel.online_softmax_attention import _lower_score_chain, _size_for_chain
+from inductor_overlay.kernel.online_softmax_attention import CHAIN_CONSTANTS, _lower_score_chain, _size_for_chain
 from inductor_overlay import ops as fused_ops
 from inductor_overlay.ops import CELL_KEEPS, CELL_MIXED, CELL_SKIPPED, TABLE_CELL, cell_shape
 
@@ -105,6 +105,7 @@ def mask_cell_states_lowering(captured, bias, decisions, sizes=()):
         KEEPS=CELL_KEEPS,
         MIXED=CELL_MIXED,
         POSITION_DTYPE="tl.int64" if wide else "tl.int32",
+        **CHAIN_CONSTANTS,
         num_warps=TILE["num_warps"],
         num_stages=1,
     )

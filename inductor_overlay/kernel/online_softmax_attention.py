@@ -192,6 +192,12 @@ def _divides(block: int, size: Any) -> bool:
     return V.graph.sizevars.statically_known_true(sympy.Eq(sympy.Mod(size, block), 0))
 
 
+# Inductor prints an integer index in a subgraph inlined by ``modification`` (a size a symbolic graph specialised) as
+# tl.full([XBLOCK], i), XBLOCK being a pointwise kernel's block: in the kernels that inline the chain, one element,
+# broadcast.
+CHAIN_CONSTANTS = dict(XBLOCK=1)
+
+
 def _ragged(blocks: Sequence[int], size: Any) -> bool:
     """Whether the loops over tiles of ``blocks`` along a dim of ``size`` split where the tiles leave the bounds: a
     symbolic size not known to be a multiple of every block. (A static size keeps one loop: at 4×32×4000×64 the
@@ -789,9 +795,7 @@ def _lower_attention(q, kt, v, captured, sink, chain, group_coefficients=None, p
             LAST_ROWS_FIRST=overlay_config.last_rows_first,
             BATCH_FASTEST=chain.batch_fastest,
             SCAN_TILES=64 if overlay_config.vector_tile_scan else 1,
-            # Inductor prints an integer index in the chain (a size a symbolic graph specialised) as
-            # tl.full([XBLOCK], i), XBLOCK being a pointwise kernel's block: here one element, broadcast.
-            XBLOCK=1,
+            **CHAIN_CONSTANTS,
             POSITION_DTYPE="tl.int64" if wide else "tl.int32",
             MASK_CELL=fused_ops.TABLE_CELL,
             CELLS_M=max(config["BLOCK_M"] // fused_ops.TABLE_CELL, 1),
