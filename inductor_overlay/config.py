@@ -127,7 +127,8 @@ sdpa_pattern_policy: str = os.environ.get("FLASHLIGHT_SDPA_PATTERN_POLICY", "unm
 # tanh in an attention kernel's score chain (soft-capping), where eager's tanh is only 16-bit precise, as the GPU's
 # tanh.approx.f32 (one instruction; the PTX ISA bounds its relative error by 2^-11, the H100 measured 9.9e-6) instead
 # of libdevice's tanhf: a tanh of an fp16/bf16 value (eager rounds its result to 16 bits, bf16: up to 3.9e-3), or a
-# float32 tanh of the 16-bit score upcast and scaled by constants (eager's argument carries the score's rounding;
+# float32 tanh of the 16-bit score upcast and scaled by constants or by values computed without the scores (a run-time
+# cap under dynamic=True; eager's argument carries the score's rounding;
 # kernel.online_softmax_attention.tanhs_of_16_bit_precision). Soft-cap on the H100: 1.6-1.8x faster
 # (benchmarks/results/h100_2026-11-23_gqa_route_fast_tanh/fast_tanh/).
 fast_tanh: bool = os.environ.get("FLASHLIGHT_FAST_TANH", "1") != "0"

@@ -105,6 +105,8 @@ def chain_graph(fn, score_dtype=torch.bfloat16):
         (lambda s: torch.tanh(s.float() * torch.full((4,), 0.5)), torch.bfloat16, True),  # a tensor free of the scores
         (lambda s: torch.tanh(torch.full((), 0.5) * s.float() / torch.full((), 3.0)), torch.bfloat16, True),
         (lambda s: torch.tanh(s.float() * s.float()), torch.bfloat16, False),  # a factor that is the scores
+        (lambda s: torch.tanh(s.float() / s.float().amax(-1, keepdim=True)), torch.bfloat16, False),  # through a max
+        (lambda s: torch.tanh(torch.full((), 2.0) / s.float()), torch.bfloat16, False),  # the score as the divisor
         (lambda s: torch.tanh(s.float() * 0.0), torch.bfloat16, False),  # zero erases the rounding
         (lambda s: torch.tanh(s.float() + 1.0), torch.bfloat16, False),  # an add can cancel
         (lambda s: torch.tanh(s.int().float()), torch.bfloat16, False),  # through integers
@@ -132,3 +134,28 @@ def test_the_flag_and_the_device_decide():
     assert not online_softmax_attention.approximates_tanh(torch.device("cpu"))
     with config.patch(fast_tanh=False):
         assert not online_softmax_attention.approximates_tanh(torch.device("cuda"))
+
+
+def test_the_backward_differentiates_with_libdevice_tanh():
+    """In training the backward recomputes Gemma-2's logits with the forward's instruction (the same probabilities),
+    but the derivative 1 − tanh² keeps libdevice's tanh: near saturation the difference of two numbers close to 1
+    would turn the instruction's 2^-11 into a large relative error (its module's placeholders are not the scores)."""
+    args = [torch.randn(1, 2, 80, 16, dtype=torch.bfloat16).requires_grad_() for _ in range(3)]
+
+    def step():
+        out = torch.compile(variants.gemma2_local)(*args)
+        out.backward(torch.ones_like(out))
+        return out
+
+    from torch._inductor.utils import fresh_cache
+
+    from inductor_overlay.kernel import attention_backward
+
+    torch._dynamo.reset()
+    gpu_choice = [mock.patch.object(module, "approximates_tanh", lambda device: True)
+                  for module in (online_softmax_attention, attention_backward)]
+    with testing.cpu_triton(), gpu_choice[0], gpu_choice[1], fresh_cache():
+        _, code = testing.run_keeping_graphs_and_get_code(step)
+    (backward,) = [text for text in testing.triton_kernels(code).values() if "grad_scores" in text]
+    FileCheck().check("scores = tl.dot(k, qt").check("tanh.approx.f32").check("grad_logits = ").check(
+        "libdevice.tanh").check("grad_scores = ").run(backward)

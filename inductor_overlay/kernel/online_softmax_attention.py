@@ -470,8 +470,8 @@ def _free_of_scores(value: Any) -> bool:
 def _scales_exactly_enough(value: Any) -> bool:
     """A factor or divisor that keeps a value's relative error (up to one rounding): a finite non-zero constant, or a
     value computed without the scores (a run-time scale: the 1/√d or soft-cap a symbolic graph reads as a tensor).
-    Such a value may be 0 or ±inf at run time: the product is then 0, ±inf or NaN, on which ``tanh.approx.f32`` and
-    libdevice's tanh agree (±0, ±1, NaN), as they do on subnormals (returned as they are)."""
+    (A constant 0 or ±inf carries no rounding; a run-time value may be either, and there the instruction's ±0, ±1 and
+    NaN are eager's exactly: ``results/fast_tanh_corner_cases.txt``.)"""
     if isinstance(value, torch.fx.Node):
         return _free_of_scores(value)
     return isinstance(value, (int, float)) and math.isfinite(value) and value != 0
@@ -482,8 +482,9 @@ def _scaled_from_16_bit_score(node: torch.fx.Node, score_dtype: torch.dtype) -> 
     without the scores (any casts between)."""
     while node.op == "call_function" and node.target in _RELATIVE_ERROR_PRESERVING:
         operand, *others = node.args
-        if node.target is torch.ops.aten.mul.Tensor and isinstance(others[0], torch.fx.Node) and not _free_of_scores(others[0]):
-            operand, others = others[0], [operand]  # the factor written first
+        factor_first = node.target is torch.ops.aten.mul.Tensor and not _free_of_scores(others[0])
+        if factor_first:
+            operand, others = others[0], [operand]
         if node.target is torch.ops.prims.convert_element_type.default:
             if not others[0].is_floating_point:
                 return False
