@@ -61,11 +61,10 @@ def _batch_offset(name: str, rank: int, z: str = "fl_z") -> str:
     """Template code for the offset of batch entry ``z`` in an operand with ``rank`` batch dims (row-major)."""
     terms, inner = [], []
     for dim in reversed(range(rank)):
-        size, stride = f'{{{{size("{name}", {dim})}}}}', f'{{{{stride("{name}", {dim})}}}}'
+        size, stride = template_files.size_of(name, dim), template_files.stride_of(name, dim)
         index = f"({z} // ({' * '.join(inner)}))" if inner else z
-        # (Sizes and strides in parentheses: symbolic ones print as products or sums, ``s4*s5``.)
-        terms.append(f"({index} % ({size})) * ({stride})" if dim > 0 else f"{index} * ({stride})")
-        inner.append(f"({size})")
+        terms.append(f"({index} % {size}) * {stride}" if dim > 0 else f"{index} * {stride}")
+        inner.append(size)
     return " + ".join(reversed(terms)) or "0"
 
 

@@ -4,7 +4,8 @@ A kernel's source is a Jinja file rendered twice. This stage picks its structure
 which block-skipping tests, the operands' batch offsets) with its own delimiters, ``[[ ]]`` and ``[% %]``, so that
 Inductor's ``{{ }}`` pass through untouched; Inductor's TritonTemplate renders those second (sizes, strides, the
 user's chain at the modification sites, the store). Python never edits a kernel's text: what varies is a template
-variable or macro argument.
+variable or macro argument. A size or stride inside an expression is written ``[[ size_of("Q", -2) ]]``, which
+gives Inductor's ``{{size("Q", -2)}}`` in parentheses.
 """
 
 from __future__ import annotations
@@ -27,6 +28,20 @@ STRUCTURE = jinja2.Environment(
     keep_trailing_newline=True,
     undefined=jinja2.StrictUndefined,
 )
+
+
+def size_of(name: str, dim: int) -> str:
+    """Inductor's ``{{size(name, dim)}}`` for the second stage, in parentheses: a symbolic size prints as a product or
+    a sum (``ks4*ks5``, ``ks0 + 1``), which an expression around it must not split."""
+    return f'({{{{size("{name}", {dim})}}}})'
+
+
+def stride_of(name: str, dim: int) -> str:
+    """Inductor's ``{{stride(name, dim)}}``, in parentheses as ``size_of``'s."""
+    return f'({{{{stride("{name}", {dim})}}}})'
+
+
+STRUCTURE.globals.update(size_of=size_of, stride_of=stride_of)
 
 
 def render(template: str, **values: Any) -> str:
