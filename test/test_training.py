@@ -154,6 +154,27 @@ def test_a_chain_that_gathers_takes_wider_backward_tiles_at_head_dim_128(monkeyp
     assert told == [False, True]  # float32 operands keep the default tiles
 
 
+def test_a_chain_that_reads_a_mask_table_takes_two_stages_at_head_dim_64(monkeypatch):
+    """HF's additive decoder mask is summarised in a mask table: the backward's first config at head dim 64 runs
+    2 stages (at 3 the kernel spilled registers on the H200), where a boolean mask's keeps 3; the lowering tells
+    the configs that the chain reads a table."""
+    cuda = torch.device("cuda")
+    assert attention_backward.backward_configs(64, 64, cuda, table=True)[0] == dict(
+        BLOCK_M1=64, BLOCK_N1=64, BLOCK_M2=64, BLOCK_N2=64, num_warps=4, num_stages=2
+    )
+    assert attention_backward.backward_configs(64, 64, cuda)[0]["num_stages"] == 3
+    assert attention_backward.backward_configs(128, 128, cuda, table=True) == attention_backward.backward_configs(128, 128, cuda)
+    told = []
+    original = attention_backward.backward_configs
+    monkeypatch.setattr(attention_backward, "backward_configs", lambda *a, **kw: told.append(kw["table"]) or original(*a, **kw))
+    for name in ("hf_decoder_mask", "sliding_window"):
+        variant = variants.VARIANTS[name]
+        operands, extras = operands_of(variant, variants.Shape(B=2, H=2, M=64, N=64, D=16))
+        out, grads, grad, code = train_on_cpu(variant.reference, operands, extras)
+        assert_matches_eager(variant.reference, operands, extras, out, grads, grad)
+    assert told == [True, False]
+
+
 def test_a_bias_read_through_a_permute_counts_as_score_sized(monkeypatch):
     """Hugging Face T5's bias reaches the chain as ``[M, N, H]``, permuted there: it is read per score like a
     ``[H, M, N]`` bias, and the forward's configs count it so (uncounted, 128×128 tiles with three stages ask for

@@ -81,7 +81,7 @@ def _template_of(source: str) -> TritonTemplate:
 
 
 def backward_configs(
-    d: int, dv: int, device: torch.device, id_mask: bool = False, gathers: bool = False
+    d: int, dv: int, device: torch.device, id_mask: bool = False, gathers: bool = False, table: bool = False
 ) -> list[dict[str, int]]:
     """(BLOCK_M1, BLOCK_N1): the row tiles a column program steps through and its column tile; (BLOCK_M2,
     BLOCK_N2): a row program's row tile and the column tiles it steps through; warps and stages. The first is the
@@ -91,7 +91,11 @@ def backward_configs(
     chain that gathers per logit (T5's distance table) at head dim 128 takes 64×128 column and 128×64 row tiles
     with 8 warps and 3 stages: 7.5–10% less time forward + backward at 2×16×8192×128 and 8×16×2048×128, where the
     other variants gained at most 5% or lost up to 5% (H100, bf16, 2026-11-27,
-    results/training/backward_tiles_h100.txt)."""
+    results/training/backward_tiles_h100.txt). A chain that reads a mask table (``table``: HF's additive masks, a
+    finfo.min padding mask) at head dim 64 takes 2 stages: at 3 the kernel spilled registers (64 bytes of stack on
+    HF's decoder mask), and the backward kernel took 3.74 ms against 3.31 with 2 (key padding 4.85 against 4.80;
+    the boolean forms of the same masks, which read no table, lost 5% with 2; H200, bf16, 4×32×4096×64,
+    2026-11-28, results/training/backward_table_stages_h200.txt)."""
     if device.type != "cuda" or _interpreting():
         return [dict(BLOCK_M1=16, BLOCK_N1=16, BLOCK_M2=16, BLOCK_N2=16, num_warps=4, num_stages=1)]
     if overlay_config.backward_tiles:
@@ -100,6 +104,8 @@ def backward_configs(
         shapes = [(64, 64, 64, 64, 4, 3), (32, 128, 128, 32, 4, 3), (32, 64, 64, 32, 4, 3)]
         if id_mask:
             shapes.sort(key=lambda shape: shape != (32, 128, 128, 32, 4, 3))
+        elif table:
+            shapes[0] = (64, 64, 64, 64, 4, 2)
     elif max(d, dv) <= 128:
         wide_gather = (64, 128, 128, 64, 8, 3)
         shapes = [(64, 64, 64, 64, 4, 2), (32, 64, 64, 32, 4, 3), (32, 128, 128, 32, 8, 2), wide_gather]
@@ -244,7 +250,7 @@ def online_softmax_attention_backward_lowering(
     # (The wider tiles for a chain that gathers were measured on 16-bit operands.)
     configs = backward_configs(
         d, dv, device, id_mask=chain.id_graph_modules is not None,
-        gathers=chain.gathers and q.get_dtype() in _16_BIT_FLOATS,
+        gathers=chain.gathers and q.get_dtype() in _16_BIT_FLOATS, table=table is not None,
     )
     if _score_sized_bytes(captured, chain, m, n) > 0:
         # A mask or bias read per element: Triton 3.6's pipeliner fails in make_llir on this kernel at rows of 2048
