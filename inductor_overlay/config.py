@@ -31,6 +31,10 @@ visible_loop_max_head_dim: int = int(os.environ.get("FLASHLIGHT_VISIBLE_LOOP_MAX
 # ... in the backward too (never where the forward keeps wide statistics: attention_training._backward_visible_loop).
 backward_visible_loop: bool = os.environ.get("FLASHLIGHT_BACKWARD_VISIBLE_LOOP", "1") != "0"
 
+# The backward takes the constant factors out of the chain's derivative (1/sqrt(d), a soft-cap's c and 1/c) and
+# multiplies dQ and dK by them once, as they are stored, instead of every logit (logit_scale.fold_gradient_factors).
+fold_gradient_factors: bool = os.environ.get("FLASHLIGHT_FOLD_GRADIENT_FACTORS", "1") != "0"
+
 # Matmuls fed by pointwise ops of another matmul with no softmax between (sigmoid attention, (A·B)·C) fuse only
 # where the kernel beats two GEMMs: inner dims (D, Dv) up to this, and on a GPU at least this many rows (M·batch)
 # so the row tiles fill the machine (the fused kernel does not split N).

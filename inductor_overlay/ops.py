@@ -421,7 +421,7 @@ def dkt_in_layout(dkt: torch.Tensor, kt_strides) -> torch.Tensor:
 
 def online_softmax_attention_backward(
     q, kt, v, captured, score_chain, decisions, chain_vjp, lse, delta, dense, grad_out, sizes=(), read_vjps=(), gradient_reads=(),
-    unmasked_vjp=None, sink=None,
+    unmasked_vjp=None, sink=None, gradient_factor=1.0,
 ):
     """The fused backward: the gradients of ``online_softmax_attention`` at ``grad_out`` ``[Z, M, Dv]`` with respect
     to the operands as the scores and output matmuls read them: ``dq [Z, M, D]``, ``dkt [Z, D, N]``, ``dv [Z, N, Dv]``.
@@ -433,7 +433,9 @@ def online_softmax_attention_backward(
     derivative of its read broadcast to the score shape and how the kernel sums it; one float32 partial each follows
     the three gradients (``fx_passes/captured_gradients.py``). ``unmasked_vjp``: the derivative of the chain without
     its masks, which the kernel runs on entirely visible tiles. ``sink``: the sink logits the forward's softmax had
-    (the kernel reads them through ``lse``; their own gradient is ``sink_gradient``'s)."""
+    (the kernel reads them through ``lse``; their own gradient is ``sink_gradient``'s). ``gradient_factor``: a
+    constant taken out of both derivatives (``logit_scale.fold_gradient_factors``), which the kernel applies to
+    dQ and dK once."""
     z = math.prod(decisions["batch_shape"])
     m, d, n, dv = q.shape[-2], q.shape[-1], kt.shape[-1], v.shape[-1]
     operands = [t.detach().reshape(shape).requires_grad_() for t, shape in ((q, (z, m, d)), (kt, (z, d, n)), (v, (z, n, dv)))]
@@ -492,7 +494,7 @@ def online_softmax_attention_with_lse_fake(q, kt, v, captured, score_chain, deci
 
 def online_softmax_attention_backward_fake(
     q, kt, v, captured, score_chain, decisions, chain_vjp, lse, delta, dense, grad_out, sizes=(), read_vjps=(), gradient_reads=(),
-    unmasked_vjp=None, sink=None,
+    unmasked_vjp=None, sink=None, gradient_factor=1.0,
 ):
     z = math.prod(decisions["batch_shape"])
     m, d, n, dv = q.shape[-2], q.shape[-1], kt.shape[-1], v.shape[-1]

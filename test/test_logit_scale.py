@@ -173,3 +173,81 @@ def test_signed_scales_rewrite_only_attention_and_follow_their_switch():
 
 def _weighted_softmax_alone(a, b, scale, w):
     return (torch.softmax(a @ b.transpose(-2, -1) * scale, dim=-1) * (w @ w.transpose(-2, -1))).sum(-1)
+
+
+def _traced(fn, *examples):
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    return make_fx(fn)(*examples)
+
+
+_SCORES, _GRAD = torch.randn(2, 8, 8), torch.randn(2, 8, 8)
+_KEEP = torch.rand(8, 8) > 0.3
+
+
+@pytest.mark.parametrize("derivative, factor", [
+    # a soft-cap's: c · g · (1 − tanh²) / c · scale (the product of constants is the scale)
+    (lambda s, g: g * 50.0 * 1 * (1 - torch.tanh(s * 0.25 / 50.0) ** 2) / 50.0 * 0.25, 0.25),
+    (lambda s, g: -(torch.where(_KEEP, g, 0.0) * 0.125), -0.125),  # a mask filling 0, a negation
+    (lambda s, g: (g / 4.0).to(torch.float64).to(torch.float32), 0.25),  # dtype conversions pass
+    (lambda s, g: g * s, None),  # no constant factor
+    (lambda s, g: g * g * 0.5, None),  # not linear in the gradient
+    (lambda s, g: torch.where(_KEEP, g * 0.5, 1.0), None),  # a fill other than 0
+    (lambda s, g: g * 0.5 + s, None),  # an affine, not linear, map
+    (lambda s, g: g * torch.full([2, 8, 8], 0.5), 0.5),  # a constant tensor of the gradient's shape
+    (lambda s, g: (g[0] * 0.5).expand(2, 8, 8), None),  # a view on the way: not taken
+])
+def test_constant_factors_leave_the_derivative(derivative, factor):
+    """``fold_gradient_factors`` takes the constant factors off the gradient's path through the chain's derivative
+    (its last input) and gives their product; the folded derivative times it is the derivative."""
+    from inductor_overlay.fx_passes.logit_scale import fold_gradient_factors
+
+    module = _traced(derivative, _SCORES, _GRAD)
+    folded = fold_gradient_factors(module)
+    if factor is None:
+        assert folded is None
+        return
+    folded_module, found = folded
+    assert found == pytest.approx(factor)
+    torch.testing.assert_close(folded_module(_SCORES, _GRAD) * found, derivative(_SCORES, _GRAD))
+    constants = [n for n in folded_module.graph.nodes if n.op == "call_function" and n.target is torch.ops.aten.mul.Tensor
+                 and any(isinstance(a, (int, float)) for a in n.args) and _grad_reaches(folded_module, n)]
+    assert constants == []
+
+
+def _grad_reaches(module, node):
+    grad = [n for n in module.graph.nodes if n.op == "placeholder"][-1]
+    frontier, seen = [grad], set()
+    while frontier:
+        current = frontier.pop()
+        if current is node:
+            return True
+        if current not in seen:
+            seen.add(current)
+            frontier.extend(current.users)
+    return False
+
+
+@pytest.mark.parametrize("name, factors", [("softcap", 4), ("hf_decoder_mask", 1)])
+def test_the_backward_applies_the_derivatives_factors_to_dq_and_dk_once(name, factors):
+    """Trained in bf16 on the CPU harness: the backward kernel's derivative loses its constant factors (a soft-cap's
+    ·c, ·1, /c and 1/√d; HF's 1/√d, which the forward cannot fold past its finfo.min mask), their product is
+    GRAD_SCORES_SCALE on dQ and dK, and the gradients match float64 eager; with the switch off the derivative
+    keeps them."""
+    from test.test_training import assert_matches_eager, operands_of, train_on_cpu
+
+    variant = variants.VARIANTS[name]
+    products = {}
+    for fold in (True, False):
+        operands, extras = operands_of(variant, variants.Shape(B=1, H=2, M=40, N=40, D=16), dtype=torch.bfloat16)
+        with config.patch(fold_gradient_factors=fold):
+            out, grads, grad, code = train_on_cpu(variant.reference, operands, extras)
+        assert_matches_eager(variant.reference, operands, extras, out, grads, grad)
+        (backward,) = [text for text in testing.triton_kernels(code).values() if "GRAD_KT" in text]
+        scale = float(re.search(r"GRAD_SCORES_SCALE : tl.constexpr = (\S+)", backward).group(1))
+        folded = float(re.search(r"FOLDED_SCALE : tl.constexpr = (\S+)", backward).group(1))
+        assert folded == 1.0 and scale == (0.25 if fold else 1.0)
+        FileCheck().check("dk * GRAD_SCORES_SCALE").check("dq = dq * GRAD_SCORES_SCALE").run(backward)
+        derivative = backward[backward.index("grad_logits = p"):backward.index("# dK +=")]
+        products[fold] = len(re.findall(r" [*/] ", derivative[:derivative.index("grad_scores = ")]))
+    assert products[False] - products[True] == factors

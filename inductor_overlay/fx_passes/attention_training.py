@@ -66,6 +66,7 @@ from inductor_overlay.fx_passes.fx_helpers import (
     prims,
     subgraph,
 )
+from inductor_overlay.fx_passes.logit_scale import fold_common_gradient_factor
 from inductor_overlay.fx_passes.sdpa_route import sdpa_call
 from inductor_overlay.fx_passes.sdpa_training import replace_pair_by_sdpa
 
@@ -345,6 +346,15 @@ def _backward_visible_loop(chain: ops.ScoreChain) -> bool:
                  or ops.inputs_read(chain.unmasked_graph_module) <= ops.inputs_read(chain.exact_graph_module)))
 
 
+def _without_constant_factors(vjps: list, dtype: torch.dtype) -> tuple[list, float]:
+    """The derivatives the kernel runs, their common constant factor taken out (``fold_common_gradient_factor``:
+    the kernel multiplies dQ and dK by it once), where the operands' dtype has float32's range: the derivative's
+    tile, rounded to it for the dots, is 1/factor times larger without the factor."""
+    if dtype not in (torch.bfloat16, torch.float32) or not config.fold_gradient_factors:
+        return vjps, 1.0
+    return fold_common_gradient_factor(vjps)
+
+
 def _insert_backward(region: AttentionRegion, matched: RegionBackward, fwd: TrainingForward) -> None:
     """``online_softmax_attention_backward`` after the output's gradient, standing for R_bwd's outputs."""
     graph = region.pv.graph
@@ -363,16 +373,18 @@ def _insert_backward(region: AttentionRegion, matched: RegionBackward, fwd: Trai
     with graph.inserting_before(anchor.next):
         grad_out = call_op(graph, aten.view.default, (matched.grad_out, [z, m, dv]))
         delta, dense = _softmax_terms(fwd, grad_out, [z, m, dv]) if fwd.lse is not None else (None, None)
-        vjp_node = subgraph(graph, vjp, "score_chain_vjp")
         q, kt, v = fwd.operands
         read_vjps = [subgraph(graph, read_vjp_module(chain, read, examples), "read_vjp") for read in reads]
         # Entirely visible tiles run the chain without its masks, and its derivative (_backward_visible_loop).
-        unmasked_vjp = None if reads or not _backward_visible_loop(fwd.chain) else subgraph(
-            graph, chain_vjp_module(fwd.chain.unmasked_graph_module, examples), "score_chain_vjp_unmasked"
+        unmasked = None if reads or not _backward_visible_loop(fwd.chain) else chain_vjp_module(
+            fwd.chain.unmasked_graph_module, examples
         )
+        (vjp, unmasked), factor = _without_constant_factors([vjp, unmasked], _val(q).dtype)
+        vjp_node = subgraph(graph, vjp, "score_chain_vjp")
+        unmasked_vjp = None if unmasked is None else subgraph(graph, unmasked, "score_chain_vjp_unmasked")
         both = call_op(graph, ops.online_softmax_attention_backward, (
             q, kt, v, fwd.captured, fwd.subgraphs, fwd.decisions, vjp_node, fwd.lse, delta, dense, grad_out,
-            list(region.captured_sizes), read_vjps, [read.as_data() for read in reads], unmasked_vjp, fwd.sink,
+            list(region.captured_sizes), read_vjps, [read.as_data() for read in reads], unmasked_vjp, fwd.sink, factor,
         ))
         grads = {i: call_op(graph, operator.getitem, (both, i)) for i in range(3)}
         if _sink_index(region) in matched.grads.values():

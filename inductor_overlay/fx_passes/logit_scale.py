@@ -1,4 +1,4 @@
-"""Fold the score chain's constant scale into the kernel's exp2 factor.
+"""Fold the score chain's constant scale into the kernel's exp2 factor, and its derivative's into the backward's sums.
 
 Most chains scale the scores by a constant (``/ sqrt(d)``) and mask some of them to -inf. The kernel multiplies the
 logits by log2(e) anyway; when the chain is only positive constant factors and -inf masks, the factors can join
@@ -7,6 +7,11 @@ a subtraction. The row max commutes with a positive factor exactly (rounding is 
 A finite fill the mask analysis proved absorbing (``block_sparsity.absorbing_fill_masks``) is scaled by the folded
 factor too; the fold is kept only if it still reaches the softmax at most ``ABSORBING_FILL``, so it still adds
 exactly 0 wherever eager's did.
+
+The chain's derivative is linear in the gradient of the logits: a constant factor on the way from that gradient to
+the derivative's output (1/√d, a soft-cap's c and 1/c) can leave the backward's loops and multiply dK and dQ once,
+as they are stored (``fold_gradient_factors``). The factors' product is the same; each element skips their
+multiplies, and rounds once fewer.
 """
 
 from __future__ import annotations
@@ -106,3 +111,86 @@ def fold_constant_scale(
             env[node] = folded.node_copy(node, lambda arg: env[arg])
     folded.eliminate_dead_code()
     return torch.fx.GraphModule(torch.nn.Module(), folded), scaled[result]
+
+
+def _same_value_type(node: torch.fx.Node, source: torch.fx.Node) -> bool:
+    """Whether ``node`` has ``source``'s dtype and shape (dropping it changes neither)."""
+    values = [n.meta.get("val") for n in (node, source)]
+    return (all(isinstance(v, torch.Tensor) for v in values) and values[0].dtype == values[1].dtype
+            and values[0].shape == values[1].shape)
+
+
+def _linear_step(node: torch.fx.Node, linear: dict) -> Optional[tuple[torch.fx.Node, float]]:
+    """(the linear input, the constant factor ``node`` applies to it) when ``node`` is linear in one value of
+    ``linear`` (a factor of 1.0 where the other operand is not a constant: a tensor the gradient does not reach)."""
+    target, args = node.target, node.args
+    if target is prims.convert_element_type.default:
+        return (args[0], 1.0) if args[0] in linear and args[1].is_floating_point else None
+    if target is aten._to_copy.default:
+        dtype = node.kwargs.get("dtype")
+        plain = set(node.kwargs) <= {"dtype", "layout", "device"} and dtype is not None and dtype.is_floating_point
+        return (args[0], 1.0) if plain and args[0] in linear else None
+    if target is aten.neg.default:
+        return (args[0], -1.0) if _same_value_type(node, args[0]) else None
+    if target in (aten.mul.Tensor, aten.div.Tensor) and len(args) == 2:
+        first, second = args
+        if target is aten.mul.Tensor and first not in linear:
+            first, second = second, first
+        if first not in linear or second in linear:
+            return None
+        factor = constant_value(second)
+        if factor is None:
+            return first, 1.0
+        if factor == 0.0 or not math.isfinite(factor) or not _same_value_type(node, first):
+            return None
+        return first, factor if target is aten.mul.Tensor else 1.0 / factor
+    if target is aten.where.self:
+        condition, if_true, if_false = args
+        branch = if_true if if_true in linear else if_false
+        other = if_false if branch is if_true else if_true
+        if condition in linear or other in linear or constant_value(other) != 0.0:
+            return None
+        return branch, 1.0
+    return None
+
+
+def fold_gradient_factors(module: torch.fx.GraphModule) -> Optional[tuple[torch.fx.GraphModule, float]]:
+    """The chain's derivative (its last input the gradient of the logits) without the constant factors between
+    that gradient and its output, and their product; None unless every op the gradient reaches is linear in it
+    (``_linear_step``: constant factors, a product with a tensor it does not reach, a dtype conversion, a mask
+    filling 0) and some constant factor is there."""
+    graph = module.graph
+    grad = [node for node in graph.nodes if node.op == "placeholder"][-1]
+    factors = {grad: 1.0}
+    bypass: dict[torch.fx.Node, torch.fx.Node] = {}
+    for node in graph.nodes:
+        if node.op != "call_function" or not any(arg in factors for arg in node.all_input_nodes):
+            continue
+        step = _linear_step(node, factors)
+        if step is None:
+            return None
+        source, factor = step
+        factors[node] = factors[source] * factor
+        if node.target in (aten.mul.Tensor, aten.div.Tensor, aten.neg.default) and (
+            node.target is aten.neg.default or constant_value(node.args[1] if node.args[0] is source else node.args[0]) is not None
+        ):
+            bypass[node] = source
+    result = next(node for node in graph.nodes if node.op == "output").args[0]
+    if result not in factors or not bypass:
+        return None
+    folded = torch.fx.Graph()
+    env: dict[torch.fx.Node, torch.fx.Node] = {}
+    for node in graph.nodes:
+        env[node] = env[bypass[node]] if node in bypass else folded.node_copy(node, lambda arg: env[arg])
+    folded.eliminate_dead_code()
+    return torch.fx.GraphModule(module, folded), factors[result]  # (the module's constants stay its attributes)
+
+
+def fold_common_gradient_factor(modules: list) -> tuple[list, float]:
+    """The derivatives ``modules`` (None entries kept) without their constant factors where all have the same one
+    (``fold_gradient_factors``), and that factor; else as they are, and 1."""
+    folds = [fold_gradient_factors(module) for module in modules if module is not None]
+    if not folds or any(fold is None for fold in folds) or len({factor for _, factor in folds}) != 1:
+        return modules, 1.0
+    folded = iter(module for module, _ in folds)
+    return [None if module is None else next(folded) for module in modules], folds[0][1]

@@ -168,7 +168,7 @@ def _partial_buffer(read: dict, batch_shape: list, m, n, device: torch.device):
 @register_lowering(fused_ops.online_softmax_attention_backward, type_promotion_kind=None)
 def online_softmax_attention_backward_lowering(
     q, kt, v, captured, score_chain, decisions, chain_vjp, lse, delta, dense, grad_out, sizes=(), read_vjps=(),
-    gradient_reads=(), unmasked_vjp=None, sink=None,
+    gradient_reads=(), unmasked_vjp=None, sink=None, gradient_factor=1.0,
 ):
     # (A sink needs nothing here: its column is in the forward's row statistics, and it meets no V.)
     chain = fused_ops.chain_from_arguments(score_chain, decisions)
@@ -178,7 +178,8 @@ def online_softmax_attention_backward_lowering(
     # The chain the forward's row statistics describe (the whole one where the forward's loops ran a faster form).
     chain_module, folded_scale = fused_ops.differentiated_chain(chain)
     logits = _lower_score_chain(chain_module, chain.score_dtype, score_size, device, chain_inputs, fast_tanh)
-    # The derivative reads the gradient of the logits as one more tile-shaped input, after the chain's own.
+    # The derivative reads the gradient of the logits as one more tile-shaped input, after the chain's own; the
+    # constant factor taken out of it (``gradient_factor``) multiplies dK and dQ as they are stored.
     vjp_module = fused_ops._module(chain_vjp)
     grad_logits = ir.TensorBox.create(
         ir.InputBuffer(
@@ -283,6 +284,7 @@ def online_softmax_attention_backward_lowering(
             LOGIT_SCALE=logit_scale,
             TINY_LOGIT_SCALE=_power_of_two_below(logit_scale),
             FOLDED_SCALE=folded_scale,
+            GRAD_SCORES_SCALE=folded_scale * gradient_factor,
             SCAN_TILES=16,
             **CHAIN_CONSTANTS,
             POSITION_DTYPE="tl.int64" if wide else "tl.int32",
