@@ -470,10 +470,13 @@ def _chain_output_gradient(chain: ScoreChain, q, kt, v, captured, sizes, grad_ou
 
 def partial_shape(read: dict, batch_shape, m, n) -> list:
     """The float32 partial the backward kernel writes for a captured tensor's read (``captured_gradients``): per
-    logit over the batch dims the read varies along (``full``), or summed per row (``rows``) or per column
-    (``columns``) of each batch entry."""
+    logit over the batch dims the read varies along (``full``), summed per diagonal n − m over them (``diagonals``,
+    from n − m = 1 − M), or summed per row (``rows``) or per column (``columns``) of each batch entry."""
+    kept = math.prod(size for size, kept in zip(batch_shape, read["kept_batch"]) if kept)
     if read["kind"] == "full":
-        return [math.prod(size for size, kept in zip(batch_shape, read["kept_batch"]) if kept), m, n]
+        return [kept, m, n]
+    if read["kind"] == "diagonals":
+        return [kept, m + n - 1]
     return [math.prod(batch_shape), m if read["kind"] == "rows" else n]
 
 
@@ -481,9 +484,12 @@ def _partial(grad_read: torch.Tensor, read: dict, batch_shape) -> torch.Tensor:
     """The kernel's partial of a read's gradient (``partial_shape``) from its value per logit."""
     z, (m, n) = math.prod(batch_shape), grad_read.shape[-2:]
     grad_read = grad_read.float()
-    if read["kind"] == "full":
+    if read["kind"] in ("full", "diagonals"):
         shared = [i for i, kept in enumerate(read["kept_batch"]) if not kept]
-        return (grad_read.sum(shared) if shared else grad_read).reshape(-1, m, n)
+        grad_read = (grad_read.sum(shared) if shared else grad_read).reshape(-1, m, n)
+        if read["kind"] == "full":
+            return grad_read
+        return torch.stack([grad_read.diagonal(d, -2, -1).sum(-1) for d in range(1 - m, n)], -1)
     return grad_read.sum(-1).reshape(z, m) if read["kind"] == "rows" else grad_read.sum(-2).reshape(z, n)
 
 

@@ -808,22 +808,77 @@ def test_gradients_of_tensors_the_chain_reads_come_from_the_fused_backward(name)
     assert max(testing.allocated_buffer_numels(code)) <= max(2 * 3 * 20 * 20 - 1, math.prod(shape))
 
 
-def test_a_gradient_through_a_gather_declines_with_a_reason(caplog):
-    """T5's bucket table read through a gather: the gradient of a gathered read is a scatter, which the kernel does
-    not do; the attention trains on upstream's path, the log says why, the result is eager's."""
+def _t5_with_learned_table(shape):
     variant = variants.VARIANTS["t5_bias"]
     fn = variant.idioms["bucket_gather"]
-    operands, extras = operands_of(variant, variants.Shape(B=1, H=2, M=12, N=12, D=8))
+    operands, extras = operands_of(variant, shape)
     table = extras.pop("table").requires_grad_()
 
     def with_table(q, k, v, table):
         return fn(q, k, v, table=table)
 
+    return with_table, [*operands, table]
+
+
+def test_a_table_gathered_by_distance_declines_unless_switched_on(caplog):
+    """T5's learned bucket table, read through a gather by the distance n − m: by default the attention trains on
+    upstream's path, the log naming the switch; the gradients are eager's."""
+    fn, operands = _t5_with_learned_table(variants.Shape(B=1, H=2, M=12, N=12, D=8))
     with caplog.at_level(logging.INFO, logger="flashlight"):
-        out, grads, grad, _ = train_on_cpu(with_table, [*operands, table], {})
+        out, grads, grad, _ = train_on_cpu(fn, operands, {})
     assert counters["inductor"]["flashlight_attention_fused_for_training"] == 0
-    assert "(a gather's is a scatter): not fused" in caplog.text
-    assert_matches_eager(with_table, operands, {"table": table}, out, grads[:3], grad)
+    assert "a table gathered by the distance n − m" in caplog.text and "FLASHLIGHT_DISTANCE_GATHER_GRADIENTS=1" in caplog.text
+    assert_matches_eager(fn, operands, {}, out, grads, grad)
+
+
+@pytest.mark.parametrize("m, n", [(40, 40), (37, 53), (53, 29)])
+def test_a_table_gathered_by_distance_gets_its_gradient_per_diagonal(m, n):
+    """With ``distance_gather_gradients``: the column programs sum the read's gradient per diagonal (a gather
+    shears each tile, float32 atomics into ``[H, M + N − 1]``), the graph scatters the sums into the table's rows;
+    every gradient, the table's too, matches float64 eager, nothing the scores' size is allocated, and the kernels
+    pass Triton's front end for sm90."""
+    fn, operands = _t5_with_learned_table(variants.Shape(B=2, H=2, M=m, N=n, D=8))
+    out, grads, grad, code = train_on_cpu(fn, operands, {}, distance_gather_gradients=True)
+    assert_matches_eager(fn, operands, {}, out, grads, grad)
+    assert counters["inductor"]["flashlight_attention_fused_for_training"] == 1
+    assert counters["inductor"]["flashlight_fault_fallback"] == 0
+    (backward,) = [text for text in testing.triton_kernels(code).values() if "grad_scores" in text]
+    FileCheck().check("for start_m in range(").check("grad_read_0 = ").check(
+        "sheared = tl.gather(grad_read_0, tl.where(on_tile, diagonal_rows, 0), 1)"
+    ).check("tl.atomic_add(GRAD_READ_0 + (").check("* (M + N - 1) + diagonals").check("else:").run(backward)
+    assert max(testing.allocated_buffer_numels(code)) < 2 * m * n
+    testing.check_gpu_front_end(code)
+
+
+def _summed_positions_gather(q, k, v, table):
+    rows, cols = torch.arange(q.shape[-2])[:, None], torch.arange(k.shape[-2])[None, :]
+    bias = table[(rows + cols) % table.shape[0]].permute(2, 0, 1)
+    return torch.softmax(q @ k.transpose(-2, -1) + bias, dim=-1) @ v
+
+
+def test_a_table_gathered_by_another_index_declines_with_the_switch_on(caplog):
+    """A table gathered by m + n, not by a distance: its gradient is a scatter of every logit; the attention trains
+    on upstream's path with the reason in the log."""
+    operands = [torch.randn(1, 2, 12, 8).requires_grad_() for _ in range(3)] + [torch.randn(7, 2).requires_grad_()]
+    with caplog.at_level(logging.INFO, logger="flashlight"):
+        out, grads, grad, _ = train_on_cpu(_summed_positions_gather, operands, {}, distance_gather_gradients=True)
+    assert counters["inductor"]["flashlight_attention_fused_for_training"] == 0
+    assert "not by broadcasting (a gather's gradient is a scatter, not fused)" in caplog.text
+    assert_matches_eager(_summed_positions_gather, operands, {}, out, grads, grad)
+
+
+def test_a_fault_in_a_distance_gathers_backward_falls_back_to_the_meaning(monkeypatch):
+    """A fault while lowering the backward of a distance-gathered table's attention: the fused node runs as its
+    meaning (the diagonal sums from autograd's per-logit gradient), and the table's gradient still matches."""
+
+    def fault(*args, **kwargs):
+        raise RuntimeError("injected fault in the backward's lowering")
+
+    monkeypatch.setattr(attention_backward, "backward_configs", fault)
+    fn, operands = _t5_with_learned_table(variants.Shape(B=1, H=2, M=20, N=20, D=8))
+    out, grads, grad, _ = train_on_cpu(fn, operands, {}, distance_gather_gradients=True)
+    assert counters["inductor"]["flashlight_attention_fused_for_training"] == 1
+    assert_matches_eager(fn, operands, {}, out, grads, grad)
 
 
 def test_a_bias_gradient_in_fully_masked_rows_is_eagers():

@@ -216,7 +216,12 @@ def _reached(nodes: set, neighbours) -> set:
 
 
 def _gradients_read(backward: set) -> set:
-    return {arg for node in backward for arg in node.all_input_nodes if arg not in backward and is_backward(arg)}
+    """The backward values ``backward`` reads from outside it: gradients, not the constants autograd's formulas
+    make (the zeros a gather's gradient is scattered into)."""
+    return {
+        arg for node in backward for arg in node.all_input_nodes
+        if arg not in backward and is_backward(arg) and not (arg.op == "call_function" and not arg.all_input_nodes)
+    }
 
 
 def _with_chain_backward(region: AttentionRegion, backward: set, sequence: set) -> set:

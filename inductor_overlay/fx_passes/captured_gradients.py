@@ -12,24 +12,29 @@ columns alone (a key bias ``[B, 1, 1, N]``), each column program of the backward
 a ``[Z, N]`` float32 partial, no atomics; a read varying along the rows alone sums each tile over its columns into
 ``[Z, M]`` (atomics across column programs); a read varying along both is written per logit into
 ``[*batch of R, M, N]`` (a plain store, or atomics where ``R`` is shared along a batch dim). The graph finishes the
-sums (``gradient_of_read``). Anything else (a read through a gather, a reduction, a view after a pointwise op)
-declines, with the reason in the log.
+sums (``gradient_of_read``). A table gathered by an index computed from the distance n − m alone (T5's bucket
+table, ``table[bucket(n − m)]``, seen through permutes) gives each logit's gradient to the table row of its
+diagonal: the column programs sum the read's gradient per diagonal (``[*batch of R, M + N − 1]``, float32 atomics)
+and the graph scatters the sums into the rows the index names, computed once per distance
+(``distance_tables.over_distances``); with ``config.distance_gather_gradients`` only. Anything else (another
+gather, a reduction, a view after a pointwise op) declines, with the reason in the log.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Union
+from typing import Optional, Union
 
 import torch
 
-from inductor_overlay import ops
+from inductor_overlay import config, ops
 from inductor_overlay.fx_passes.block_sparsity import is_op as _is
 from inductor_overlay.fx_passes.chain_modules import traced_joint
+from inductor_overlay.fx_passes.distance_tables import columns_minus_rows, distance_computing, over_distances
 from inductor_overlay.fx_passes.fx_helpers import _VIEWS, _val, aten, call_op, inline, prims
 
 # How the backward kernel accumulates a read's gradient (module doc).
-FULL, ROWS, COLUMNS = "full", "rows", "columns"
+FULL, ROWS, COLUMNS, DIAGONALS = "full", "rows", "columns", "diagonals"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,6 +64,47 @@ def _pointwise(node: torch.fx.Node) -> bool:
     return isinstance(target, torch._ops.OpOverload) and torch.Tag.pointwise in target.tags
 
 
+def _distance_gather(placeholder: torch.fx.Node) -> Optional[tuple[torch.fx.Node, object]]:
+    """(the gather, its distance's tabulation) where ``placeholder``'s one use gathers rows of it (``table[i]``,
+    ``embedding``: no padding row, no frequency scaling) by an index computed from the distance n − m alone, into a
+    value of the scores' M and N (T5's bucket table)."""
+    if len(placeholder.users) != 1:
+        return None
+    gather = next(iter(placeholder.users))
+    if _is(gather, aten.embedding.default) and tuple(gather.args[2:]) not in ((), (-1,), (-1, False), (-1, False, False)):
+        return None
+    if not (_is(gather, aten.index.Tensor) and len(gather.args[1]) == 1 or _is(gather, aten.embedding.default)):
+        return None
+    source, index = (gather.args[0], gather.args[1][0]) if _is(gather, aten.index.Tensor) else gather.args[:2]
+    if source is not placeholder or not isinstance(index, torch.fx.Node) or _val(index) is None or _val(index).dim() != 2:
+        return None
+    tabulation = distance_computing(index)
+    return None if tabulation is None else (gather, tabulation)
+
+
+def _read_of_distance_gather(read: torch.fx.Node) -> Optional[tuple]:
+    """(gather, tabulation, order) for a read that is a distance gather (``_distance_gather``) seen through views
+    that move its dims (``permute``) and add size-1 ones (``unsqueeze``): ``order`` names, per dim of the read, the
+    gather's dim it is (None for an added one); the gather's M and N stay the read's last two dims."""
+    views, node = [], read
+    while _is(node, (aten.permute.default, aten.unsqueeze.default)):
+        views.append(node)
+        node = node.args[0]
+    if node.op != "call_function" or not node.all_input_nodes or node.all_input_nodes[0].op != "placeholder":
+        return None
+    found = _distance_gather(node.all_input_nodes[0])
+    if found is None or found[0] is not node:
+        return None
+    order = list(range(_val(node).dim()))
+    for view in reversed(views):
+        if _is(view, aten.permute.default):
+            order = [order[i] for i in view.args[1]]
+        else:
+            dim = view.args[1] % (len(order) + 1)
+            order.insert(dim, None)
+    return (node, found[1], tuple(order)) if order[-2:] == [0, 1] else None
+
+
 def _read_of(placeholder: torch.fx.Node) -> torch.fx.Node:
     """The end of the views alone that ``placeholder`` meets, one user at a time."""
     read = placeholder
@@ -76,6 +122,14 @@ def gradient_read(chain: torch.fx.GraphModule, index: int, captured: torch.Tenso
         # (Broadcast to the scores, a 0-d tensor of another dtype would change the chain's type promotion.)
         return f"the gradient of captured tensor {index}: a 0-d tensor of another dtype or device than the scores'"
     read = _read_of(_placeholder(chain, index))
+    if read.op == "placeholder" and _distance_gather(read) is not None:
+        if not config.distance_gather_gradients:
+            return (f"the gradient of captured tensor {index}, a table gathered by the distance n − m: summed per "
+                    "diagonal by the fused backward only with config.distance_gather_gradients "
+                    "(FLASHLIGHT_DISTANCE_GATHER_GRADIENTS=1), not fused")
+        read = _read_of(_distance_gather(read)[0])
+        if _read_of_distance_gather(read) is None:
+            return f"the gradient of captured tensor {index}: gathered by a distance, then not by views alone"
     shape = tuple(captured.shape) if read.op == "placeholder" else tuple(_val(read).shape) if _val(read) is not None else None
     if shape is None or not _broadcasts_to(shape, score_shape):
         users = ", ".join(f"`{user.target}`" for user in read.users)
@@ -94,9 +148,11 @@ def gradient_read(chain: torch.fx.GraphModule, index: int, captured: torch.Tenso
     padded = (1,) * (len(score_shape) - len(shape)) + shape
     rows, columns = padded[-2] != 1, padded[-1] != 1
     kind = FULL if rows and columns else ROWS if rows else COLUMNS
+    if read.op != "placeholder" and _read_of_distance_gather(read) is not None:
+        kind = DIAGONALS
     kept = tuple(size != 1 for size in padded[:-2])
     shared = any(not k and size > 1 for k, size in zip(kept, score_shape[:-2]))
-    if (kind == ROWS or (kind == FULL and shared)) and torch.are_deterministic_algorithms_enabled():
+    if (kind in (ROWS, DIAGONALS) or (kind == FULL and shared)) and torch.are_deterministic_algorithms_enabled():
         return f"the gradient of captured tensor {index} is summed with atomics; deterministic algorithms are requested"
     return GradientRead(index, read.name, shape, kind, kept)
 
@@ -163,6 +219,8 @@ def gradient_of_read(
     """The gradient of the captured tensor from the kernel's partial (module doc), in the captured tensor's dtype."""
     batch, (m, n) = list(score_shape[:-2]), score_shape[-2:]
     padded = [1] * (len(score_shape) - len(read.shape)) + list(read.shape)
+    if read.kind == DIAGONALS:
+        return _gradient_of_distance_gather(graph, chain, read, partial, captured)
     if read.kind == FULL:
         grad = partial
     else:
@@ -177,3 +235,29 @@ def gradient_of_read(
     if read.node == _placeholder(chain, read.index).name:
         return grad
     return inline(graph, _views_back(chain, read, value), [captured, grad])
+
+
+def _gradient_of_distance_gather(
+    graph: torch.fx.Graph, chain: torch.fx.GraphModule, read: GradientRead, partial: torch.fx.Node, captured: torch.fx.Node,
+) -> torch.fx.Node:
+    """The gradient of a table gathered by a distance (``DIAGONALS``): the kernel's partial holds the read's
+    gradient summed over each diagonal n − m (``[*kept batch, M + N − 1]``, from m − n = M − 1 to n − m = N − 1);
+    moved to the gather's dims, each diagonal's sum is scattered (added) into the row its index names, the index
+    computed once per distance."""
+    node = next(n for n in chain.graph.nodes if n.name == read.node)
+    gather, tabulation, order = _read_of_distance_gather(node)
+    index = gather.args[1][0] if _is(gather, aten.index.Tensor) else gather.args[1]
+    indices = inline(graph, over_distances(tabulation, index), [])
+    if not columns_minus_rows(tabulation):  # the index's own order runs from m − n = -(N − 1)
+        indices = call_op(graph, aten.flip.default, (indices, [0]))
+    distances = _val(partial).shape[-1]
+    grad = call_op(graph, aten.reshape.default, (partial, [*read.shape[:-2], distances]))
+    kept = [i for i, source in enumerate(order[:-2]) if source is not None]
+    grad = call_op(graph, aten.reshape.default, (grad, [*(read.shape[i] for i in kept), distances]))
+    sources = [order[i] for i in kept]  # the gather's dims (2, 3, ...) of the kept dims; the distances are its 0, 1
+    permutation = [len(sources), *(sources.index(dim) for dim in range(2, 2 + len(sources)))]
+    grad = call_op(graph, aten.permute.default, (grad, permutation))
+    value = _val(captured)
+    zeros = call_op(graph, aten.full.default, (list(value.shape), 0.0), dict(dtype=torch.float32, device=value.device))
+    grad = call_op(graph, aten.index_put.default, (zeros, [indices], grad, True))
+    return call_op(graph, prims.convert_element_type.default, (grad, value.dtype))

@@ -262,3 +262,52 @@ def tabulate_distance_functions(graph: torch.fx.Graph) -> None:
     if changed:
         graph.eliminate_dead_code()
         graph.lint()
+
+
+def distance_computing(value: torch.fx.Node) -> Optional[_Tabulation]:
+    """The tabulation of a distance between the last two dims (rows m, columns n) from which ``value`` is computed
+    alone (``_pair_of``), or None."""
+    for node in value.graph.nodes:
+        distance = _distance(node)
+        if distance is None or distance.pair != -2 or len(_shape(node)) != 2:
+            continue
+        tabulation = _Tabulation(distance)
+        tabulation.grow()
+        if value in tabulation.pairs:
+            return tabulation
+    return None
+
+
+def columns_minus_rows(tabulation: _Tabulation) -> bool:
+    """Whether the tabulated distance is n − m (columns minus rows); else it is m − n."""
+    first = _position(tabulation.distance.node.args[0])
+    return first is not None and first[0] == -1
+
+
+def over_distances(tabulation: _Tabulation, value: torch.fx.Node) -> Optional[torch.fx.GraphModule]:
+    """A module of no inputs computing ``value`` once per distance (the tabulation's replica, its two position dims
+    one of M + N − 1, ordered as the distance's values), where ``value`` reads nothing but constants and positions;
+    else None. The module's graph is built apart: ``value``'s own graph is left as it was."""
+    graph = value.graph
+    before = list(graph.nodes)
+    replica = tabulation.replica(value)
+    made = [node for node in graph.nodes if node not in set(before)]
+    needed, frontier = set(), [replica]
+    while frontier:
+        node = frontier.pop()
+        if node not in needed:
+            needed.add(node)
+            frontier.extend(node.all_input_nodes)
+    standalone = None
+    if all(node.op == "call_function" for node in needed):
+        copied = torch.fx.Graph()
+        env: dict = {}
+        for node in graph.nodes:
+            if node in needed:
+                env[node] = copied.node_copy(node, lambda arg: env[arg])
+        copied.output(env[replica])
+        standalone = torch.fx.GraphModule(torch.nn.Module(), copied)
+    for node in reversed(made):  # leave the graph as it was
+        graph.erase_node(node)
+    tabulation.replicas.clear()
+    return standalone

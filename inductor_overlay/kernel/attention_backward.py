@@ -133,7 +133,7 @@ def _captured_grads(reads: list, first_subgraph: int, batch_shape: list) -> tupl
             inner *= size
         grads.append(tuple(dict(
             number=number, index=read["index"], subgraph=first_subgraph + number, kind=read["kind"],
-            atomic=not all(kept or size == 1 for size, kept in zip(batch_shape, read["kept_batch"])),
+            atomic=read["kind"] == "diagonals" or not all(kept or size == 1 for size, kept in zip(batch_shape, read["kept_batch"])),
             z_index=" + ".join(terms) or "0",
         ).items()))
     return tuple(grads)
@@ -292,6 +292,7 @@ def online_softmax_attention_backward_lowering(
             UPCAST_DOT_OPERANDS=_interpreting(),
             MASK_CELL=fused_ops.TABLE_CELL,
             **{f"CELLS_{dim}": max(config[f"BLOCK_{dim}"] // fused_ops.TABLE_CELL, 1) for dim in ("M1", "N1", "M2", "N2")},
+            DIAGONAL_TILE=2 * max(config["BLOCK_M1"], config["BLOCK_N1"]),
             EVEN_M=_divides(config["BLOCK_M1"], m) and _divides(config["BLOCK_M2"], m),
             EVEN_N=_divides(config["BLOCK_N1"], n) and _divides(config["BLOCK_N2"], n),
             PROBABILITY_DTYPE=f"tl.{str(chain.probability_dtype).removeprefix('torch.')}",
