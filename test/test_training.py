@@ -808,9 +808,9 @@ def test_gradients_of_tensors_the_chain_reads_come_from_the_fused_backward(name)
     assert max(testing.allocated_buffer_numels(code)) <= max(2 * 3 * 20 * 20 - 1, math.prod(shape))
 
 
-def _t5_with_learned_table(shape):
-    variant = variants.VARIANTS["t5_bias"]
-    fn = variant.idioms["bucket_gather"]
+def _t5_with_learned_table(shape, name="t5_bias"):
+    variant = variants.VARIANTS[name]
+    (fn,) = variant.idioms.values()
     operands, extras = operands_of(variant, shape)
     table = extras.pop("table").requires_grad_()
 
@@ -848,6 +848,79 @@ def test_a_table_gathered_by_distance_gets_its_gradient_per_diagonal(m, n):
     ).check("tl.atomic_add(GRAD_READ_0 + (").check("* (M + N - 1) + diagonals").check("else:").run(backward)
     assert max(testing.allocated_buffer_numels(code)) < 2 * m * n
     testing.check_gpu_front_end(code)
+
+
+def test_hugging_faces_t5_embedding_trains_fused_through_its_gathered_values():
+    """Hugging Face's T5 gathers its learned table with ``nn.Embedding`` before the chain, which reads the gathered
+    ``[M, N, H]`` values: their gradient is written per logit (float32 atomics, shared by the batch) and autograd
+    scatters it into the table; fused whatever ``distance_gather_gradients`` says, every gradient eager's."""
+    fn, operands = _t5_with_learned_table(variants.Shape(B=2, H=2, M=24, N=24, D=8), "t5_hf")
+    for switch in (False, True):
+        counters.clear()
+        out, grads, grad, code = train_on_cpu(fn, operands, {}, distance_gather_gradients=switch)
+        assert counters["inductor"]["flashlight_attention_fused_for_training"] == 1
+        assert_matches_eager(fn, operands, {}, out, grads, grad)
+        (backward,) = [text for text in testing.triton_kernels(code).values() if "grad_scores" in text]
+        assert "tl.atomic_add(GRAD_READ_0 + (" in backward and "tl.gather(" not in backward
+        for t in operands:
+            t.grad = None
+
+
+def _rows_minus_columns_gather(q, k, v, table):
+    rows, cols = torch.arange(q.shape[-2])[:, None], torch.arange(k.shape[-2])[None, :]
+    bias = table[(rows - cols).clamp(-8, 8) + 8].permute(2, 0, 1)  # the distance m − n, clipped
+    return torch.softmax(q @ k.transpose(-2, -1) + bias, dim=-1) @ v
+
+
+@pytest.mark.parametrize("m, n", [(37, 53), (53, 29)])
+def test_a_table_gathered_by_rows_minus_columns_gets_its_gradient(m, n):
+    """The distance written m − n: the index computed once per distance runs the other way along the diagonals,
+    reversed before the scatter; fused, and every gradient matches float64 eager."""
+    operands = [torch.randn(2, 2, m, 8).requires_grad_(), torch.randn(2, 2, n, 8).requires_grad_(),
+                torch.randn(2, 2, n, 8).requires_grad_(), torch.randn(17, 2).requires_grad_()]
+    out, grads, grad, code = train_on_cpu(_rows_minus_columns_gather, operands, {}, distance_gather_gradients=True)
+    assert counters["inductor"]["flashlight_attention_fused_for_training"] == 1
+    assert counters["inductor"]["flashlight_fault_fallback"] == 0
+    assert_matches_eager(_rows_minus_columns_gather, operands, {}, out, grads, grad)
+
+
+def _scaled_distance_gather(q, k, v, table, scale):
+    rows, cols = torch.arange(q.shape[-2])[:, None], torch.arange(k.shape[-2])[None, :]
+    index = ((cols - rows).abs().float() * scale).long().clamp(max=table.shape[0] - 1)
+    return torch.softmax(q @ k.transpose(-2, -1) + table[index].permute(2, 0, 1), dim=-1) @ v
+
+
+def test_a_table_gathered_by_an_index_reading_a_tensor_declines(caplog):
+    """An index computed from the distance and a tensor the chain reads (a learned scale): not computable once per
+    distance ahead of the graph's sums, so the attention trains on upstream's path, with no fault."""
+    operands = [torch.randn(1, 2, 20, 8).requires_grad_() for _ in range(3)] + [torch.randn(9, 2).requires_grad_()]
+    extras = {"scale": torch.tensor(0.5)}
+    with caplog.at_level(logging.INFO, logger="flashlight"):
+        out, grads, grad, _ = train_on_cpu(_scaled_distance_gather, operands, extras, distance_gather_gradients=True)
+    assert counters["inductor"]["flashlight_attention_fused_for_training"] == 0
+    assert counters["inductor"]["flashlight_fault_fallback"] == 0
+    assert "a gather's gradient is a scatter" in caplog.text
+    assert_matches_eager(_scaled_distance_gather, operands, extras, out, grads, grad)
+
+
+def _sliced_bias(q, k, v, bias):
+    return torch.softmax(q @ k.transpose(-1, -2) + bias[:, : q.shape[-2], : k.shape[-2]], -1) @ v
+
+
+def _selected_bias(q, k, v, bias):
+    return torch.softmax(q @ k.transpose(-1, -2) + bias[1], -1) @ v
+
+
+@pytest.mark.parametrize("fn, shape", [(_sliced_bias, (3, 24, 24)), (_selected_bias, (2, 3, 20, 20))])
+def test_a_sliced_or_selected_learned_bias_trains_fused(fn, shape):
+    """A learned bias read through a slice or a select: the gradient of the read is scattered back into zeros of
+    the bias's shape (which rule 3 does not count as a gradient read), traced into ops Inductor lowers; fused, and
+    every gradient matches float64 eager."""
+    operands = [torch.randn(2, 3, 20, 8).requires_grad_() for _ in range(3)] + [torch.randn(shape).requires_grad_()]
+    out, grads, grad, _ = train_on_cpu(fn, operands, {})
+    assert counters["inductor"]["flashlight_attention_fused_for_training"] == 1
+    assert counters["inductor"]["flashlight_fault_fallback"] == 0
+    assert_matches_eager(fn, operands, {}, out, grads, grad)
 
 
 def _summed_positions_gather(q, k, v, table):

@@ -9,7 +9,8 @@ own:
 1. autograd gives each backward node the ``seq_nr`` of the forward op it differentiates; the backward nodes
    carrying the seq_nr of one of the region's ops are the region's backward (``R_bwd``);
 2. the region's values are used only by the region and R_bwd (nothing else needs the probabilities);
-3. R_bwd reads exactly one gradient, shaped as the region's output: the gradient of its output;
+3. R_bwd reads exactly one gradient, shaped as the region's output: the gradient of its output (the constants
+   autograd's formulas make, the zeros a gather's or a slice's gradient is scattered into, are not gradients);
 4. every value R_bwd hands to the rest of the graph is the gradient of one of the operands of the two matmuls
    (q, kᵀ, v), of a floating tensor the chain reads or of the sink logits: it is read only by the backward of that
    tensor's producer (the producer's seq_nr; where the tensor is a shape-keeping view or expand of another, as a

@@ -79,7 +79,9 @@ def _distance_gather(placeholder: torch.fx.Node) -> Optional[tuple[torch.fx.Node
     if source is not placeholder or not isinstance(index, torch.fx.Node) or _val(index) is None or _val(index).dim() != 2:
         return None
     tabulation = distance_computing(index)
-    return None if tabulation is None else (gather, tabulation)
+    if tabulation is None or over_distances(tabulation, index) is None:  # (an index that reads a chain input)
+        return None
+    return gather, tabulation
 
 
 def _read_of_distance_gather(read: torch.fx.Node) -> Optional[tuple]:
@@ -208,8 +210,13 @@ def _views_back(chain: torch.fx.GraphModule, read: GradientRead, captured: torch
             (grad,) = torch.autograd.grad(env[views[-1]] if views else leaf, leaf, grad_read)
         return grad
 
+    from torch._inductor.decomposition import select_decomp_table
+
+    # (Traced with Inductor's decompositions: a slice's or a select's backward is then ops Inductor lowers.)
     with torch._guards.detect_fake_mode([captured]):
-        return make_fx(back)(captured, torch.empty(read.shape, dtype=captured.dtype, device=captured.device))
+        return make_fx(back, decomposition_table=select_decomp_table())(
+            captured, torch.empty(read.shape, dtype=captured.dtype, device=captured.device)
+        )
 
 
 def gradient_of_read(
@@ -248,9 +255,12 @@ def _gradient_of_distance_gather(
     gather, tabulation, order = _read_of_distance_gather(node)
     index = gather.args[1][0] if _is(gather, aten.index.Tensor) else gather.args[1]
     indices = inline(graph, over_distances(tabulation, index), [])
-    if not columns_minus_rows(tabulation):  # the index's own order runs from m − n = -(N − 1)
-        indices = call_op(graph, aten.flip.default, (indices, [0]))
     distances = _val(partial).shape[-1]
+    if not columns_minus_rows(tabulation):  # the index's own order runs from m − n = -(N − 1): reversed
+        value = _val(indices)
+        backwards = call_op(graph, prims.iota.default, (distances,), dict(
+            start=distances - 1, step=-1, dtype=torch.int64, device=value.device, requires_grad=False))
+        indices = call_op(graph, aten.index.Tensor, (indices, [backwards]))
     grad = call_op(graph, aten.reshape.default, (partial, [*read.shape[:-2], distances]))
     kept = [i for i, source in enumerate(order[:-2]) if source is not None]
     grad = call_op(graph, aten.reshape.default, (grad, [*(read.shape[i] for i in kept), distances]))

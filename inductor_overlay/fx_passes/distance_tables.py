@@ -289,25 +289,25 @@ def over_distances(tabulation: _Tabulation, value: torch.fx.Node) -> Optional[to
     one of M + N − 1, ordered as the distance's values), where ``value`` reads nothing but constants and positions;
     else None. The module's graph is built apart: ``value``'s own graph is left as it was."""
     graph = value.graph
-    before = list(graph.nodes)
-    replica = tabulation.replica(value)
-    made = [node for node in graph.nodes if node not in set(before)]
-    needed, frontier = set(), [replica]
-    while frontier:
-        node = frontier.pop()
-        if node not in needed:
-            needed.add(node)
-            frontier.extend(node.all_input_nodes)
-    standalone = None
-    if all(node.op == "call_function" for node in needed):
+    before = set(graph.nodes)
+    try:
+        replica = tabulation.replica(value)
+        needed, frontier = set(), [replica]
+        while frontier:
+            node = frontier.pop()
+            if node not in needed:
+                needed.add(node)
+                frontier.extend(node.all_input_nodes)
+        if not all(node.op == "call_function" for node in needed):
+            return None
         copied = torch.fx.Graph()
         env: dict = {}
         for node in graph.nodes:
             if node in needed:
                 env[node] = copied.node_copy(node, lambda arg: env[arg])
         copied.output(env[replica])
-        standalone = torch.fx.GraphModule(torch.nn.Module(), copied)
-    for node in reversed(made):  # leave the graph as it was
-        graph.erase_node(node)
-    tabulation.replicas.clear()
-    return standalone
+        return torch.fx.GraphModule(torch.nn.Module(), copied)
+    finally:  # leave the graph as it was
+        for node in reversed([node for node in graph.nodes if node not in before]):
+            graph.erase_node(node)
+        tabulation.replicas.clear()
