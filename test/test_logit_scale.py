@@ -196,6 +196,11 @@ _KEEP = torch.rand(8, 8) > 0.3
     (lambda s, g: g * 0.5 + s, None),  # an affine, not linear, map
     (lambda s, g: g * torch.full([2, 8, 8], 0.5), 0.5),  # a constant tensor of the gradient's shape
     (lambda s, g: (g[0] * 0.5).expand(2, 8, 8), None),  # a view on the way: not taken
+    # a constant tensor's value as its dtype holds it; an integer one declines (it holds 2.5 as 2)
+    (lambda s, g: g * torch.full([], 80**-0.5, dtype=torch.bfloat16), torch.tensor(80**-0.5, dtype=torch.bfloat16).item()),
+    (lambda s, g: g * torch.full([], 2, dtype=torch.int64) * s, None),
+    (lambda s, g: (g * 1e-3).half().float() * s, None),  # float16 could overflow without the factor
+    (lambda s, g: g * 1e30 * 1e30, None),  # a product beyond float32's range
 ])
 def test_constant_factors_leave_the_derivative(derivative, factor):
     """``fold_gradient_factors`` takes the constant factors off the gradient's path through the chain's derivative
@@ -251,3 +256,36 @@ def test_the_backward_applies_the_derivatives_factors_to_dq_and_dk_once(name, fa
         derivative = backward[backward.index("grad_logits = p"):backward.index("# dK +=")]
         products[fold] = len(re.findall(r" [*/] ", derivative[:derivative.index("grad_scores = ")]))
     assert products[False] - products[True] == factors
+
+
+def test_derivatives_with_different_factors_keep_them():
+    """``fold_common_gradient_factor`` folds the chain's derivative and the visible tiles' only with one factor."""
+    from inductor_overlay.fx_passes.logit_scale import fold_common_gradient_factor
+
+    half = _traced(lambda s, g: g * 0.5, _SCORES, _GRAD)
+    quarter = _traced(lambda s, g: g * 0.25, _SCORES, _GRAD)
+    modules, factor = fold_common_gradient_factor([half, quarter])
+    assert (modules, factor) == ([half, quarter], 1.0)
+    modules, factor = fold_common_gradient_factor([half, None])
+    assert factor == 0.5 and modules[1] is None and modules[0] is not half
+
+
+def _causal_negative_scale(q, k, v):
+    rows, cols = _rows_cols(q, k)
+    scores = (q @ k.transpose(-2, -1)) * -0.5
+    return torch.softmax(torch.where(cols <= rows, scores, float("-inf")), dim=-1) @ v
+
+
+def test_the_visible_tiles_derivative_loses_the_same_factor():
+    """A causal mask over scores scaled by -0.5 (a negative factor the forward cannot fold): the backward runs the
+    entirely visible tiles with the unmasked chain's derivative, which loses the factor with the masked one's;
+    GRAD_SCORES_SCALE is -0.5 and the gradients match float64 eager."""
+    from test.test_training import assert_matches_eager, train_on_cpu
+
+    generator = torch.Generator().manual_seed(5)
+    operands = [torch.randn(1, 2, 48, 16, generator=generator).requires_grad_() for _ in range(3)]
+    out, grads, grad, code = train_on_cpu(_causal_negative_scale, operands, {})
+    assert_matches_eager(_causal_negative_scale, operands, {}, out, grads, grad)
+    (backward,) = [text for text in testing.triton_kernels(code).values() if "GRAD_KT" in text]
+    assert float(re.search(r"GRAD_SCORES_SCALE : tl.constexpr = (\S+)", backward).group(1)) == -0.5
+    assert backward.count("for start_m in range(") == 3  # the visible tiles' loop between two others

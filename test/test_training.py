@@ -163,6 +163,7 @@ def test_a_chain_that_reads_a_mask_table_takes_two_stages_at_head_dim_64(monkeyp
         BLOCK_M1=64, BLOCK_N1=64, BLOCK_M2=64, BLOCK_N2=64, num_warps=4, num_stages=2
     )
     assert attention_backward.backward_configs(64, 64, cuda)[0]["num_stages"] == 3
+    assert attention_backward.backward_configs(64, 64, cuda, table=True)[1:] == attention_backward.backward_configs(64, 64, cuda)
     assert attention_backward.backward_configs(128, 128, cuda, table=True) == attention_backward.backward_configs(128, 128, cuda)
     told = []
     original = attention_backward.backward_configs

@@ -6,7 +6,10 @@ the same inputs with FLEX=1 (boolean forms and variants). Inputs are seeded alik
 
     FORMS=hf_add,hf_bool,kp_min,kp_bool SHAPES=4x32x4096x64 FLEX=1 LABEL=default python tools/gpu_backward_forms.py
 
-Set FLASHLIGHT_BACKWARD_TILES (``BLOCK_M1,BLOCK_N1,BLOCK_M2,BLOCK_N2,warps,stages``) to compare backward tiles.
+Set FLASHLIGHT_BACKWARD_TILES (``BLOCK_M1,BLOCK_N1,BLOCK_M2,BLOCK_N2,warps,stages``) to compare backward tiles, or
+SWITCH to a boolean setting of ``inductor_overlay.config`` to time each form with it on and off in one process:
+
+    FORMS=softcap,gemma2 SWITCH=fold_gradient_factors python tools/gpu_backward_forms.py
 """
 import collections
 import math
@@ -17,6 +20,7 @@ import triton
 from torch.profiler import ProfilerActivity, profile
 
 import flashlight
+from inductor_overlay import config as overlay_config
 from benchmarks.bench_attention import flex_impl, parse_shape
 from benchmarks.variants import VARIANTS, hf_causal_padding_4d, key_padding_bool_masked_fill, key_padding_finfo_min, make_inputs
 
@@ -67,10 +71,19 @@ def main():
             shape = variant.adapt(parse_shape(shape_text))
             q, k, v, extras = make_inputs(variant, shape, device="cuda", dtype=torch.bfloat16, seed=1234)
             tensors = [t.requires_grad_() for t in (q, k, v)]
-            impls = ["ours"] + (["flex"] if os.environ.get("FLEX") and flex_equivalent else [])
+            switch = os.environ.get("SWITCH")
+            impls = [f"{switch}={int(on)}" for on in (True, False)] if switch else ["ours"]
+            flex = flex_impl(variant, shape, extras) if os.environ.get("FLEX") and flex_equivalent else None
+            impls += ["flex"] if flex is not None else []
             for impl in impls:
                 torch._dynamo.reset()
-                run = torch.compile(fn, dynamic=False) if impl == "ours" else flex_impl(variant, shape, extras)[0]
+                if impl == "flex":
+                    run = flex[0]
+                else:
+                    settings = {switch: impl.endswith("=1")} if switch else {}
+                    with overlay_config.patch(**settings):
+                        run = torch.compile(fn, dynamic=False)
+                        run(*tensors, **extras).sum().backward()  # (both graphs compiled under the setting)
                 grad = torch.randn_like(run(*tensors, **extras))
 
                 def step():
@@ -80,7 +93,7 @@ def main():
 
                 ms = triton.testing.do_bench(step, warmup=25, rep=100, return_mode="median")
                 top = " | ".join(f"{us:7.1f} {kernel[:40]}" for kernel, us in kernel_times(step)[:3])
-                print(f"{label:8s} {form:8s} {shape_text} {impl:5s} step {ms:.3f} ms | {top}", flush=True)
+                print(f"{label:8s} {form:8s} {shape_text} {impl:8s} step {ms:.3f} ms | {top}", flush=True)
 
 
 if __name__ == "__main__":

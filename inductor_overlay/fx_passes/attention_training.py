@@ -354,8 +354,9 @@ def _backward_visible_loop(chain: ops.ScoreChain) -> bool:
 
 def _without_constant_factors(vjps: list, dtype: torch.dtype) -> tuple[list, float]:
     """The derivatives the kernel runs, their common constant factor taken out (``fold_common_gradient_factor``:
-    the kernel multiplies dQ and dK by it once), where the operands' dtype has float32's range: the derivative's
-    tile, rounded to it for the dots, is 1/factor times larger without the factor."""
+    the kernel multiplies dQ and dK by it once), where the operands are bf16 or float32, whose range holds the
+    derivative's tile, rounded to their dtype for the dots, 1/factor times larger without the factor (float16's may
+    not; the kernel takes no float64 operands)."""
     if dtype not in (torch.bfloat16, torch.float32) or not config.fold_gradient_factors:
         return vjps, 1.0
     return fold_common_gradient_factor(vjps)

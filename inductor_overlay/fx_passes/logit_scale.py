@@ -120,15 +120,29 @@ def _same_value_type(node: torch.fx.Node, source: torch.fx.Node) -> bool:
             and values[0].shape == values[1].shape)
 
 
+# Dtypes with float32's range: a value the derivative converts to one of them keeps its range without the factors
+# taken out (float16's would overflow where the factor had made it small).
+_WIDE_FLOATS = (torch.bfloat16, torch.float32, torch.float64)
+
+
+def _constant_factor(node: object) -> Optional[float]:
+    """A constant's value as the op multiplies by it: a number, or a floating constant tensor's value rounded to its
+    dtype; None for an integer tensor (it holds the value truncated) or anything else."""
+    value = constant_value(node)
+    if value is None or not isinstance(node, torch.fx.Node):
+        return value
+    dtype = getattr(node.meta.get("val"), "dtype", None)
+    return torch.tensor(value, dtype=dtype).item() if dtype in _WIDE_FLOATS else None
+
+
 def _linear_step(node: torch.fx.Node, linear: dict) -> Optional[tuple[torch.fx.Node, float]]:
     """(the linear input, the constant factor ``node`` applies to it) when ``node`` is linear in one value of
     ``linear`` (a factor of 1.0 where the other operand is not a constant: a tensor the gradient does not reach)."""
     target, args = node.target, node.args
     if target is prims.convert_element_type.default:
-        return (args[0], 1.0) if args[0] in linear and args[1].is_floating_point else None
+        return (args[0], 1.0) if args[0] in linear and args[1] in _WIDE_FLOATS else None
     if target is aten._to_copy.default:
-        dtype = node.kwargs.get("dtype")
-        plain = set(node.kwargs) <= {"dtype", "layout", "device"} and dtype is not None and dtype.is_floating_point
+        plain = set(node.kwargs) <= {"dtype", "layout", "device"} and node.kwargs.get("dtype") in _WIDE_FLOATS
         return (args[0], 1.0) if plain and args[0] in linear else None
     if target is aten.neg.default:
         return (args[0], -1.0) if _same_value_type(node, args[0]) else None
@@ -138,9 +152,9 @@ def _linear_step(node: torch.fx.Node, linear: dict) -> Optional[tuple[torch.fx.N
             first, second = second, first
         if first not in linear or second in linear:
             return None
-        factor = constant_value(second)
+        factor = _constant_factor(second)
         if factor is None:
-            return first, 1.0
+            return (first, 1.0) if constant_value(second) is None else None
         if factor == 0.0 or not math.isfinite(factor) or not _same_value_type(node, first):
             return None
         return first, factor if target is aten.mul.Tensor else 1.0 / factor
@@ -177,6 +191,9 @@ def fold_gradient_factors(module: torch.fx.GraphModule) -> Optional[tuple[torch.
             bypass[node] = source
     result = next(node for node in graph.nodes if node.op == "output").args[0]
     if result not in factors or not bypass:
+        return None
+    single = torch.tensor(factors[result], dtype=torch.float32).item()  # the kernel applies it in float32
+    if single == 0.0 or not math.isfinite(single):
         return None
     folded = torch.fx.Graph()
     env: dict[torch.fx.Node, torch.fx.Node] = {}

@@ -92,10 +92,11 @@ def backward_configs(
     with 8 warps and 3 stages: 7.5–10% less time forward + backward at 2×16×8192×128 and 8×16×2048×128, where the
     other variants gained at most 5% or lost up to 5% (H100, bf16, 2026-11-27,
     results/training/backward_tiles_h100.txt). A chain that reads a mask table (``table``: HF's additive masks, a
-    finfo.min padding mask) at head dim 64 takes 2 stages: at 3 the kernel spilled registers (64 bytes of stack on
-    HF's decoder mask), and the backward kernel took 3.74 ms against 3.31 with 2 (key padding 4.85 against 4.80;
-    the boolean forms of the same masks, which read no table, lost 5% with 2; H200, bf16, 4×32×4096×64,
-    2026-11-28, results/training/backward_table_stages_h200.txt)."""
+    finfo.min padding mask) at head dims up to 64, without an id mask, first takes 64×64 tiles with 2 stages: at 3
+    the kernel spilled registers (64 bytes of stack on HF's decoder mask), and the backward kernel took 3.74 ms
+    against 3.31 with 2 (key padding 4.85 against 4.80; the boolean forms of the same masks, which read no table,
+    took 5–7% longer with 2; H200, bf16, 4×32×4096×64, 2026-11-28,
+    results/training/backward_table_stages_h200.txt)."""
     if device.type != "cuda" or _interpreting():
         return [dict(BLOCK_M1=16, BLOCK_N1=16, BLOCK_M2=16, BLOCK_N2=16, num_warps=4, num_stages=1)]
     if overlay_config.backward_tiles:
@@ -105,7 +106,7 @@ def backward_configs(
         if id_mask:
             shapes.sort(key=lambda shape: shape != (32, 128, 128, 32, 4, 3))
         elif table:
-            shapes[0] = (64, 64, 64, 64, 4, 2)
+            shapes.insert(0, (64, 64, 64, 64, 4, 2))
     elif max(d, dv) <= 128:
         wide_gather = (64, 128, 128, 64, 8, 3)
         shapes = [(64, 64, 64, 64, 4, 2), (32, 64, 64, 32, 4, 3), (32, 128, 128, 32, 8, 2), wide_gather]
