@@ -65,17 +65,15 @@ def _pointwise(node: torch.fx.Node) -> bool:
 
 
 def _distance_gather(placeholder: torch.fx.Node) -> Optional[tuple[torch.fx.Node, object]]:
-    """(the gather, its distance's tabulation) where ``placeholder``'s one use gathers rows of it (``table[i]``,
-    ``embedding``: no padding row, no frequency scaling) by an index computed from the distance n − m alone, into a
-    value of the scores' M and N (T5's bucket table)."""
+    """(the gather, its distance's tabulation) where ``placeholder``'s one use gathers rows of it (``table[i]``; an
+    ``embedding`` never enters a chain) by an index computed from the distance n − m alone, into a value of the
+    scores' M and N (T5's bucket table)."""
     if len(placeholder.users) != 1:
         return None
     gather = next(iter(placeholder.users))
-    if _is(gather, aten.embedding.default) and tuple(gather.args[2:]) not in ((), (-1,), (-1, False), (-1, False, False)):
+    if not (_is(gather, aten.index.Tensor) and len(gather.args[1]) == 1):
         return None
-    if not (_is(gather, aten.index.Tensor) and len(gather.args[1]) == 1 or _is(gather, aten.embedding.default)):
-        return None
-    source, index = (gather.args[0], gather.args[1][0]) if _is(gather, aten.index.Tensor) else gather.args[:2]
+    source, index = gather.args[0], gather.args[1][0]
     if source is not placeholder or not isinstance(index, torch.fx.Node) or _val(index) is None or _val(index).dim() != 2:
         return None
     tabulation = distance_computing(index)
@@ -124,12 +122,13 @@ def gradient_read(chain: torch.fx.GraphModule, index: int, captured: torch.Tenso
         # (Broadcast to the scores, a 0-d tensor of another dtype would change the chain's type promotion.)
         return f"the gradient of captured tensor {index}: a 0-d tensor of another dtype or device than the scores'"
     read = _read_of(_placeholder(chain, index))
-    if read.op == "placeholder" and _distance_gather(read) is not None:
+    gathered = _distance_gather(read) if read.op == "placeholder" else None
+    if gathered is not None:
         if not config.distance_gather_gradients:
             return (f"the gradient of captured tensor {index}, a table gathered by the distance n − m: summed per "
                     "diagonal by the fused backward only with config.distance_gather_gradients "
                     "(FLASHLIGHT_DISTANCE_GATHER_GRADIENTS=1), not fused")
-        read = _read_of(_distance_gather(read)[0])
+        read = _read_of(gathered[0])
         if _read_of_distance_gather(read) is None:
             return f"the gradient of captured tensor {index}: gathered by a distance, then not by views alone"
     shape = tuple(captured.shape) if read.op == "placeholder" else tuple(_val(read).shape) if _val(read) is not None else None
@@ -149,9 +148,7 @@ def gradient_read(chain: torch.fx.GraphModule, index: int, captured: torch.Tenso
         frontier.extend(node.users)
     padded = (1,) * (len(score_shape) - len(shape)) + shape
     rows, columns = padded[-2] != 1, padded[-1] != 1
-    kind = FULL if rows and columns else ROWS if rows else COLUMNS
-    if read.op != "placeholder" and _read_of_distance_gather(read) is not None:
-        kind = DIAGONALS
+    kind = DIAGONALS if gathered is not None else FULL if rows and columns else ROWS if rows else COLUMNS
     kept = tuple(size != 1 for size in padded[:-2])
     shared = any(not k and size > 1 for k, size in zip(kept, score_shape[:-2]))
     if (kind in (ROWS, DIAGONALS) or (kind == FULL and shared)) and torch.are_deterministic_algorithms_enabled():
@@ -253,8 +250,7 @@ def _gradient_of_distance_gather(
     computed once per distance."""
     node = next(n for n in chain.graph.nodes if n.name == read.node)
     gather, tabulation, order = _read_of_distance_gather(node)
-    index = gather.args[1][0] if _is(gather, aten.index.Tensor) else gather.args[1]
-    indices = inline(graph, over_distances(tabulation, index), [])
+    indices = inline(graph, over_distances(tabulation, gather.args[1][0]), [])
     distances = _val(partial).shape[-1]
     if not columns_minus_rows(tabulation):  # the index's own order runs from m − n = -(N − 1): reversed
         value = _val(indices)

@@ -135,17 +135,18 @@ def _constant_factor(node: object) -> Optional[float]:
     return torch.tensor(value, dtype=dtype).item() if dtype in _WIDE_FLOATS else None
 
 
-def _linear_step(node: torch.fx.Node, linear: dict) -> Optional[tuple[torch.fx.Node, float]]:
-    """(the linear input, the constant factor ``node`` applies to it) when ``node`` is linear in one value of
-    ``linear`` (a factor of 1.0 where the other operand is not a constant: a tensor the gradient does not reach)."""
+def _linear_step(node: torch.fx.Node, linear: dict) -> Optional[tuple[torch.fx.Node, float, bool]]:
+    """(the linear input, the constant factor ``node`` applies to it, whether ``node`` is that factor alone and can
+    go) when ``node`` is linear in one value of ``linear`` (a factor of 1.0 where the other operand is not a
+    constant: a tensor the gradient does not reach)."""
     target, args = node.target, node.args
     if target is prims.convert_element_type.default:
-        return (args[0], 1.0) if args[0] in linear and args[1] in _WIDE_FLOATS else None
+        return (args[0], 1.0, False) if args[0] in linear and args[1] in _WIDE_FLOATS else None
     if target is aten._to_copy.default:
         plain = set(node.kwargs) <= {"dtype", "layout", "device"} and node.kwargs.get("dtype") in _WIDE_FLOATS
-        return (args[0], 1.0) if plain and args[0] in linear else None
+        return (args[0], 1.0, False) if plain and args[0] in linear else None
     if target is aten.neg.default:
-        return (args[0], -1.0) if _same_value_type(node, args[0]) else None
+        return (args[0], -1.0, True) if _same_value_type(node, args[0]) else None
     if target in (aten.mul.Tensor, aten.div.Tensor) and len(args) == 2:
         first, second = args
         if target is aten.mul.Tensor and first not in linear:
@@ -154,17 +155,17 @@ def _linear_step(node: torch.fx.Node, linear: dict) -> Optional[tuple[torch.fx.N
             return None
         factor = _constant_factor(second)
         if factor is None:
-            return (first, 1.0) if constant_value(second) is None else None
+            return (first, 1.0, False) if constant_value(second) is None else None
         if factor == 0.0 or not math.isfinite(factor) or not _same_value_type(node, first):
             return None
-        return first, factor if target is aten.mul.Tensor else 1.0 / factor
+        return first, factor if target is aten.mul.Tensor else 1.0 / factor, True
     if target is aten.where.self:
         condition, if_true, if_false = args
         branch = if_true if if_true in linear else if_false
         other = if_false if branch is if_true else if_true
         if condition in linear or other in linear or constant_value(other) != 0.0:
             return None
-        return branch, 1.0
+        return branch, 1.0, False
     return None
 
 
@@ -183,11 +184,9 @@ def fold_gradient_factors(module: torch.fx.GraphModule) -> Optional[tuple[torch.
         step = _linear_step(node, factors)
         if step is None:
             return None
-        source, factor = step
+        source, factor, removable = step
         factors[node] = factors[source] * factor
-        if node.target in (aten.mul.Tensor, aten.div.Tensor, aten.neg.default) and (
-            node.target is aten.neg.default or constant_value(node.args[1] if node.args[0] is source else node.args[0]) is not None
-        ):
+        if removable:
             bypass[node] = source
     result = next(node for node in graph.nodes if node.op == "output").args[0]
     if result not in factors or not bypass:
