@@ -38,6 +38,9 @@ COMBINED = ["none"] * 6 + ["bias_plus_mask", "gathered_plus_mask", "indexed_plus
 # ``arange`` inside it: consecutive from 0, consecutive from an offset, or increasing with gaps (not consecutive:
 # the kernel must read them). One vector for rows and columns where M == N, as models share one.
 READ_POSITIONS = ["none"] * 3 + ["consecutive", "offset", "gapped"]
+# The rows of a boolean mask tensor passed in: random keys, or each row one interval of keys (a window, a prefix, a
+# random interval, some rows none), or such intervals with one key kept outside one row's interval.
+KEEP_ROWS = ["random"] * 2 + ["intervals", "intervals_stray"]
 
 
 @dataclasses.dataclass
@@ -65,6 +68,7 @@ class Program:
     combined: str = "none"  # one of COMBINED
     scale_v: bool = False  # V scaled by a constant before the output matmul
     read_positions: str = "none"  # one of READ_POSITIONS
+    keep_rows: str = "random"  # one of KEEP_ROWS
 
     @property
     def kv_heads(self) -> int:
@@ -76,7 +80,8 @@ class Program:
                 f"upcast={self.upcast} scale_on={self.scale_on} norm={self.normalisation} diff={int(self.diff_heads)} "
                 f"points={self.points} pair={self.pair_channels} finite_fill={int(self.finite_fill)} positions={self.positions}"
                 f"{'' if self.combined == 'none' else ' combined=' + self.combined}{' scale_v=1' if self.scale_v else ''}"
-                f"{'' if self.read_positions == 'none' else ' read_positions=' + self.read_positions}")
+                f"{'' if self.read_positions == 'none' else ' read_positions=' + self.read_positions}"
+                f"{' keep_rows=' + self.keep_rows if self.mask == 'bool_tensor' and self.keep_rows != 'random' else ''}")
 
 
 def draw(seed: int, positions: str | None = None, **fixed: object) -> Program:
@@ -126,6 +131,7 @@ def draw(seed: int, positions: str | None = None, **fixed: object) -> Program:
     program.read_positions = random.Random(f"read_positions:{seed}").choice(READ_POSITIONS)
     if program.combined == "gathered_plus_mask" and program.read_positions == "gapped":
         program.read_positions = "offset"  # it gathers a table at n - m, whose range gaps would leave
+    program.keep_rows = random.Random(f"keep_rows:{seed}").choice(KEEP_ROWS)
     for name, value in fixed.items():
         assert hasattr(program, name), name
         setattr(program, name, value)
@@ -165,7 +171,38 @@ def make_inputs(p: Program) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]
     extras["table"] = torch.randn(p.M + p.N - 1, p.H, generator=combined).to(p.dtype)
     extras["relative_index"] = torch.arange(p.N)[None, :] - torch.arange(p.M)[:, None] + p.M - 1  # a buffer, [M, N]
     extras["row_positions"], extras["col_positions"] = _read_positions(p)
+    if p.keep_rows != "random":
+        extras["keep"] = _interval_rows(p)
     return [q, k, v], extras
+
+
+def _interval_rows(p: Program) -> torch.Tensor:
+    """``p.keep_rows``: a ``[B, 1, M, N]`` boolean mask each of whose rows keeps one interval of keys (a causal window
+    of a random width, a prefix, a random interval, or none), with one key more outside one row's interval for
+    ``intervals_stray``."""
+    generator = torch.Generator().manual_seed(p.seed + 3_000_003)
+    columns = torch.arange(p.N)
+    keep = torch.zeros(p.B, 1, p.M, p.N, dtype=torch.bool)
+    for b in range(p.B):
+        form = int(torch.randint(0, 3, (), generator=generator))
+        width = int(torch.randint(1, p.N + 1, (), generator=generator))
+        for m in range(p.M):
+            last = min(m * p.N // p.M, p.N - 1)
+            if form == 0:  # a causal window
+                first = max(0, last - width + 1)
+            elif form == 1:  # a prefix
+                first, last = 0, width - 1
+            else:  # anywhere, or nowhere
+                first, last = sorted(torch.randint(0, p.N, (2,), generator=generator).tolist())
+                if torch.rand((), generator=generator) < 0.1:
+                    first, last = p.N, -1
+            keep[b, 0, m] = (columns >= first) & (columns <= last)
+    if p.keep_rows == "intervals_stray":
+        b, m = int(torch.randint(0, p.B, (), generator=generator)), int(torch.randint(0, p.M, (), generator=generator))
+        outside = (~keep[b, 0, m]).nonzero().flatten()
+        if len(outside) and keep[b, 0, m].any():
+            keep[b, 0, m, outside[int(torch.randint(0, len(outside), (), generator=generator))]] = True
+    return keep
 
 
 def _read_positions(p: Program) -> tuple[torch.Tensor, torch.Tensor]:
@@ -406,6 +443,7 @@ def main() -> int:
     parser.add_argument("--device", default="cpu", help="cpu (the CPU harness) or cuda")
     parser.add_argument("--training", action="store_true", help="q, k, v require grad: gradients are checked too")
     parser.add_argument("--dynamic", action="store_true", help="compile with every size symbolic (dynamic=True)")
+    parser.add_argument("--mask", default=None, help="run only the seeds whose program draws this mask (bool_tensor, ...)")
     args = parser.parse_args()
     import warnings
 
@@ -414,9 +452,12 @@ def main() -> int:
     warnings.filterwarnings("ignore")
     flashlight.enable()
     log = open(args.log, "a") if args.log else None
-    mismatches, fused_count, start = [], 0, time.time()
+    mismatches, fused_count, run, start = [], 0, 0, time.time()
     for seed in range(args.seed, args.seed + args.count):
         program = draw(seed)
+        if args.mask is not None and program.mask != args.mask:
+            continue
+        run += 1
         try:
             ok, fused, detail = check(program, args.device, args.training, args.dynamic)
         except Exception as error:  # a program that does not compile or run is a mismatch, not the end of the run
@@ -430,8 +471,9 @@ def main() -> int:
             log.write(line + "\n")
             log.flush()
     mode = (" in training" if args.training else "") + (" with every size symbolic" if args.dynamic else "")
-    summary = (f"{args.count} programs{mode} on {args.device} (seeds {args.seed}..{args.seed + args.count - 1}), {len(mismatches)} mismatches, "
-               f"{fused_count} fused, {time.time() - start:.0f} s")
+    which = "" if args.mask is None else f" drawing mask={args.mask}"
+    summary = (f"{run} programs{mode} on {args.device} (seeds {args.seed}..{args.seed + args.count - 1}{which}), "
+               f"{len(mismatches)} mismatches, {fused_count} fused, {time.time() - start:.0f} s")
     print(summary)
     if log:
         log.write(summary + "\n")

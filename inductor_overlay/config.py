@@ -115,12 +115,6 @@ speculate_finite_scores: bool = os.environ.get("FLASHLIGHT_SPECULATE_FINITE_SCOR
 # are not it runs the chain that reads them (fx_passes/chain_modules.affine_positions).
 affine_positions: bool = os.environ.get("FLASHLIGHT_AFFINE_POSITIONS", "1") != "0"
 
-# A boolean mask tensor the chain reads (passed in, a buffer sliced to the sequence) is checked once per call for
-# rows that each keep one interval of columns (causal, windowed, prefix-LM, document and padding masks do); where all
-# do, the kernel tests each column against its row's interval instead of loading the mask per tile, and where not it
-# runs the chain that reads it (fx_passes/mask_tables.interval_rows).
-interval_masks: bool = os.environ.get("FLASHLIGHT_INTERVAL_MASKS", "1") != "0"
-
 # Row tiles are launched last first: under a causal mask (or any mask whose visible columns grow with the row)
 # the longest programs start first and the short ones fill the tail, as FlashAttention schedules them.
 last_rows_first: bool = os.environ.get("FLASHLIGHT_LAST_ROWS_FIRST", "1") != "0"

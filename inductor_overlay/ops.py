@@ -77,11 +77,6 @@ class ScoreChain:
     # (scores, *captured, *sizes) -> per-row ids and -> per-column ids, each broadcast to the score shape, of a mask that
     # keeps a logit only where the two are equal (document masking): the kernel skips tiles whose ids are disjoint.
     id_graph_modules: Optional[tuple[torch.fx.GraphModule, torch.fx.GraphModule]] = None
-    # (scores, *captured, *sizes) -> the first and the last column each row keeps of a mask tensor, broadcast to the
-    # score shape, where the fast chain tests the columns against them (``mask_tables.interval_rows``): where the
-    # ``affine_graph_module`` flag says every row keeps exactly its interval, the kernel bounds its tiles by them
-    # instead of scanning the mask's table.
-    interval_graph_modules: Optional[tuple[torch.fx.GraphModule, torch.fx.GraphModule]] = None
     # (scores, *captured, *sizes) -> the integer vectors the formulas read as ROW_READ and COL_READ, each broadcast to
     # the score shape, or None for one the formulas do not read: the kernel's pre-pass bounds them per tile.
     position_graph_modules: Optional[tuple[Optional[torch.fx.GraphModule], Optional[torch.fx.GraphModule]]] = None
@@ -118,7 +113,6 @@ SUBGRAPH_NAMES = {
     "graph_module": "score_chain",
     "unmasked_graph_module": "score_chain_unmasked",
     "id_graph_modules": ("row_ids", "column_ids"),
-    "interval_graph_modules": ("row_first_kept", "row_last_kept"),
     "position_graph_modules": ("row_positions", "column_positions"),
     "mask_table_module": "mask_table_chain",
     "exact_graph_module": "score_chain_exact",

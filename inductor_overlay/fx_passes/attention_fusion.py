@@ -60,9 +60,7 @@ from inductor_overlay.fx_passes.chain_modules import (
     affine_positions,
     position_differences,
 )
-from inductor_overlay.fx_passes.mask_tables import (
-    _mask_table, _shared_table, _table_cells, interval_rows, kept_cells, position_cells,
-)
+from inductor_overlay.fx_passes.mask_tables import _mask_table, _shared_table, _table_cells, position_cells
 
 # TORCH_LOGS=flashlight shows every fused attention and every declined one with its reason.
 log = logging.getLogger("flashlight.attention_fusion")
@@ -178,19 +176,6 @@ def _batch_fastest(region: AttentionRegion, score_shape: torch.Size) -> int:
     return score_shape[0] if shared and all(shared) else 0
 
 
-def _bounded_by_intervals(region, tensor_mask, rows_alike: bool, skippable, id_mask, group_coefficients) -> bool:
-    """Whether the kernel may bound a mask tensor's tiles, and test its elements, by its rows' intervals of kept
-    columns where they are exact (``mask_tables.interval_rows``): a mask alone in its ``where`` that varies along the
-    rows (key padding's ``[.., 1, N]`` is one vector per tile, as cheap to load), with nothing else to bound the
-    tiles (no position formula, no ids) and a kernel that may redo a row tile with the chain that reads it (a
-    softmax with no sink, pair reduction or head combination)."""
-    redoable = region.softmax and region.sink is None and region.pair is None and group_coefficients is None
-    return (
-        config.interval_masks and redoable and tensor_mask is not None and tensor_mask.alone and not rows_alike
-        and skippable is None and id_mask is None
-    )
-
-
 def _broadcast_over_rows(mask: torch.fx.Node) -> bool:
     """Whether a mask or bias the chain reads is the same on every row of the scores (``[.., 1, N]``)."""
     shape = _val(mask).shape
@@ -293,14 +278,12 @@ def fuse(
     if summarise_tensors and tensor_mask is None and id_mask is None and skippable is None:
         # (A bias that is a position mask, ``x + triu(full(-inf), 1)``, already skips by its formula.)
         additive_mask = matched_additive_mask(region.chain, region.logits, region.score_root)
-    mask_table, mask_rows_alike, kept = None, False, None
+    mask_table, mask_rows_alike = None, False
     if tensor_mask is not None or additive_mask is not None:
         mask = tensor_mask or additive_mask
         key = ("tensor", tensor_mask.term, tensor_mask.negated) if tensor_mask else ("additive", additive_mask.bias)
+        mask_table = _shared_table(graph, key, lambda: _mask_table(graph, region, mask), anchor)
         mask_rows_alike = _broadcast_over_rows(key[1])
-        if _bounded_by_intervals(region, tensor_mask, mask_rows_alike, skippable, id_mask, group_coefficients):
-            kept = _shared_table(graph, ("kept", *key[1:]), lambda: kept_cells(graph, tensor_mask), anchor)
-        mask_table = _shared_table(graph, (*key, kept is not None), lambda: _mask_table(graph, region, mask, kept), anchor)
     if mask_table is not None:
         region = dataclasses.replace(region, captured=[*region.captured, mask_table])
     cells = _position_cell_tables(graph, region, reads, anchor) if reads_vectors(skippable) else None
@@ -317,31 +300,19 @@ def fuse(
     if config.affine_positions and redoable:
         with graph.inserting_before(anchor):
             firsts, affine_flag = affine_positions(graph, region, _position_vectors(region))
-    intervals, interval_nodes = {}, []
-    if kept is not None:
-        key = ("intervals", tensor_mask.term, tensor_mask.negated)
-        columns = _val(tensor_mask.term).shape[-1]
-        first, last, interval_flag = _shared_table(graph, key, lambda: interval_rows(graph, kept, columns), anchor)
-        intervals, interval_nodes = {tensor_mask.term: (first, last, tensor_mask.negated)}, [first, last]
-        if affine_flag is None:
-            affine_flag = interval_flag
-        else:
-            with graph.inserting_before(anchor):
-                affine_flag = call_op(graph, aten.logical_and.default, (affine_flag, interval_flag))
     if affine_flag is not None:
-        region = dataclasses.replace(region, captured=[*region.captured, *firsts.values(), *interval_nodes, affine_flag])
-    if (firsts or intervals) and not guards:
+        region = dataclasses.replace(region, captured=[*region.captured, *firsts.values(), affine_flag])
+    if firsts and not guards:
         row_max_bound = MAX_BOUND  # only a NaN or an empty row fails the check
     unmasked = None
     if droppable and config.split_visible_tiles:
-        unmasked = _score_chain_module(region, frozenset(droppable), guards, firsts, intervals)
+        unmasked = _score_chain_module(region, frozenset(droppable), guards, firsts)
     split = unmasked is not None and _worth_a_visible_loop(unmasked, region, drops_mask_loads)
     chain_module, unmasked_module, folded_scale = _folded_chains(
-        region, _score_chain_module(region, guards=guards, affine=firsts, intervals=intervals), unmasked if split else None,
-        fills,
+        region, _score_chain_module(region, guards=guards, affine=firsts), unmasked if split else None, fills
     )
     exact_module, exact_scale = None, 1.0
-    if guards or firsts or intervals:
+    if guards or firsts:
         exact_module, _, exact_scale = _folded_chains(region, _score_chain_module(region), None, fills)
         if training and exact_scale != folded_scale:  # the forward's row statistics are in the whole chain's units
             raise RuntimeError("the fast and the whole chain fold different scales: the rows' statistics would not match")
@@ -376,9 +347,6 @@ def fuse(
             region, mask_table, [*(score_shape[:-2] or [1]), *_table_cells(score_shape, mask_table)]
         ),
         affine_graph_module=None if affine_flag is None else _chain_value_module(region, affine_flag, list(score_shape)),
-        interval_graph_modules=None if not intervals else tuple(
-            _chain_value_module(region, node, list(score_shape)) for node in interval_nodes
-        ),
         position_graph_modules=None if cells is None else tuple(
             None if table is None else _chain_value_module(region, table, [*(score_shape[:-2] or [1]), *_val(table).shape[-2:]])
             for table in cells
@@ -440,8 +408,6 @@ def describe_tiles(chain: ScoreChain, training: bool, additive: bool) -> str:
     if chain.mask_table_module is not None:
         table = "an additive mask or bias tensor" if additive else "a mask tensor"
         parts.append(f"{table} summarised per call into cells of 32x32 (a read of the whole tensor)")
-        if chain.interval_graph_modules is not None:
-            parts.append("where its rows each keep one interval of columns (checked per call), tiles bounded and columns tested by the intervals")
     notes = ""
     if training and chain.affine_graph_module is not None:
         notes += "; the backward reads the positions from memory and converts them per logit (the forward computes consecutive ones from the tile)"

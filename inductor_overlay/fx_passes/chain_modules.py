@@ -53,16 +53,14 @@ def _placeholder(graph: torch.fx.Graph, name: str, value: torch.fx.Node) -> torc
 
 def _score_chain_module(
     region: AttentionRegion, unmasked: frozenset = frozenset(), guards: Optional[dict] = None,
-    affine: Optional[dict] = None, intervals: Optional[dict] = None,
+    affine: Optional[dict] = None,
 ) -> torch.fx.GraphModule:
     """The chain from scores to logits as its own graph: (scores, *captured) -> logits. The ``where(cond, -inf, x)``
     nodes in ``unmasked`` pass ``x`` through (for tiles where ``cond`` is false everywhere), and an additive mask's
     add there passes the scores through (for tiles where its bias is 0). The finite guards in ``guards`` pass
     their ``x`` through (``finite_speculation``). Each captured position
     tensor in ``affine`` (``affine_positions``) becomes its first value plus an ``iota``: the positions the kernel's
-    tile loop already has, in 32-bit integers, instead of a load per tile. Each mask tensor in ``intervals``
-    (``mask_tables.interval_rows``: ``term -> (first, last, negated)``) becomes the test of the column against its
-    row's interval of kept columns, instead of a load per logit."""
+    tile loop already has, in 32-bit integers, instead of a load per tile."""
     graph, env = _chain_inputs(region)
     for leaf, first in (affine or {}).items():  # the positions as first + 0, 1, 2, ... (exact where they are)
         value = _val(leaf)
@@ -71,19 +69,8 @@ def _score_chain_module(
             dict(start=0, step=1, dtype=_val(first).dtype, device=value.device, requires_grad=False),
         )
         env[leaf] = graph.call_function(aten.add.Tensor, (env[first], iota))
-    for term, (first, last, negated) in (intervals or {}).items():  # kept where first <= n <= last
-        columns = graph.call_function(
-            prims.iota.default, (_val(term).shape[-1],),
-            dict(start=0, step=1, dtype=torch.int32, device=_val(term).device, requires_grad=False),
-        )
-        kept = graph.call_function(aten.logical_and.default, (
-            graph.call_function(aten.ge.Tensor, (columns, env[first])), graph.call_function(aten.le.Tensor, (columns, env[last])),
-        ))
-        env[term] = kept if negated else graph.call_function(aten.logical_not.default, (kept,))
     zeros: set[torch.fx.Node] = set()  # chain nodes that are 0 on these tiles: a bias ``where(cond, -inf, 0)``
     for node in region.chain:
-        if intervals and node in intervals:
-            continue
         if guards and node in guards:  # x, in the guard's dtype
             env[node] = _in_dtype_of(graph, env[guards[node]], guards[node], node)
             continue

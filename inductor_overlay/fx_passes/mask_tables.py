@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 import weakref
-from typing import Any, Callable, Optional, Union
+from typing import Any, Callable, Union
 
 import torch
 
@@ -21,7 +21,7 @@ from inductor_overlay.fx_passes.block_sparsity import (
 )
 from inductor_overlay import ops
 from inductor_overlay.ops import MaskSummary
-from inductor_overlay.fx_passes.fx_helpers import _val, call_op, call_traced, subgraph, aten, prims
+from inductor_overlay.fx_passes.fx_helpers import _val, call_op, subgraph, aten, prims
 from inductor_overlay.fx_passes.attention_region import AttentionRegion
 from inductor_overlay.fx_passes.chain_modules import _chain_value_module
 
@@ -29,26 +29,22 @@ from inductor_overlay.fx_passes.chain_modules import _chain_value_module
 _TABLES: "weakref.WeakKeyDictionary[torch.fx.Graph, dict]" = weakref.WeakKeyDictionary()
 
 
-def _shared_table(graph: torch.fx.Graph, key: tuple, build: Callable[[], Any], user: torch.fx.Node) -> Any:
-    """The table of ``key``'s mask for ``user`` (a node, or a tuple of nodes): one built for an earlier attention of
-    this graph, or a new one inserted before ``user``."""
+def _shared_table(graph: torch.fx.Graph, key: tuple, build: Callable[[], torch.fx.Node], user: torch.fx.Node) -> torch.fx.Node:
+    """The table of ``key``'s mask for ``user``: one built for an earlier attention of this graph, or a new one
+    inserted before ``user``."""
     tables = _TABLES.setdefault(graph, {})
     table = tables.get(key)
-    nodes = table if isinstance(table, tuple) else (table,)
-    if table is None or any(getattr(n, "_erased", False) or not n < user for n in nodes):  # fx nodes order as in the graph
+    if table is None or getattr(table, "_erased", False) or not table < user:  # fx nodes order as in the graph
         with graph.inserting_before(user):
             table = tables[key] = build()
     return table
 
 
-def _mask_table(
-    graph: torch.fx.Graph, region: AttentionRegion, mask: Union[TensorMask, AdditiveMask], cells: Optional[tuple] = None
-) -> torch.fx.Node:
+def _mask_table(graph: torch.fx.Graph, region: AttentionRegion, mask: Union[TensorMask, AdditiveMask]) -> torch.fx.Node:
     """The mask's cell states (``[*lead, ⌈M/c⌉, ⌈N/c⌉]``, int8; c = ``MASK_TABLE_CELL``), once per call. A bias the
     chain computes from positions and small tensors (HF's causal-and-padding mask from its ``[B, N]`` padding
     vector) gets the table kernel (``kernel/mask_cell_states.py``), which computes it tile by tile as the attention
-    kernel does; a mask read from memory gets Inductor's reductions, which run at memory speed (from its
-    ``kept_cells`` where given)."""
+    kernel does; a mask read from memory gets Inductor's reductions, which run at memory speed."""
     if isinstance(mask, AdditiveMask) and _computed_from_small_tensors(region, mask.bias):
         shape = tuple(_val(mask.bias).shape)
         formulas = row_position_formulas(mask.bias) if config.row_invariant_mask_blocks else None
@@ -61,7 +57,7 @@ def _mask_table(
         return call_op(graph, ops.mask_cell_states_of, inputs)
     if isinstance(mask, AdditiveMask):
         return _additive_mask_table(graph, mask)
-    return _tensor_mask_table(graph, mask, cells)
+    return _tensor_mask_table(graph, mask)
 
 
 def _computed_from_small_tensors(region: AttentionRegion, value: torch.fx.Node) -> bool:
@@ -75,22 +71,19 @@ def _computed_from_small_tensors(region: AttentionRegion, value: torch.fx.Node) 
     return all(size * MASK_TABLE_CELL <= _val(value).numel() for size in sizes)
 
 
-def _tensor_mask_table(graph: torch.fx.Graph, mask: TensorMask, cells: Optional[tuple] = None) -> torch.fx.Node:
+def _tensor_mask_table(graph: torch.fx.Graph, mask: TensorMask) -> torch.fx.Node:
     """Graph nodes reducing a mask tensor ``[*lead, M, N]`` to its cell states ``[*lead, ⌈M/c⌉, ⌈N/c⌉]`` (int8;
     see ``MASK_TABLE_CELL``), once per call; a mask broadcast over the rows (``[*lead, 1, N]``) to one row of
     cells, which the kernel reads for every row tile (expanded). Elements past M or N count as masked for "all
     masked" and as unmasked for "some masked": the kernel masks them by bounds anyway, and never drops its bounds
     test."""
-    if cells is not None:
-        row_states = _row_states_of_counts(graph, cells[2], _val(mask.term).shape[-1])
-    else:
-        masked = mask.term if not mask.negated else call_op(graph, aten.logical_not.default, (mask.term,))
-        masked = call_op(graph, prims.convert_element_type.default, (masked, torch.int8))
-        # Each row's state per cell (0, 1 or 2 as for cells) is one int8 tensor between the two reductions, not two:
-        # the reduction across the rows, which reads it, reads half as much.
-        row_states = call_op(graph, aten.add.Tensor, tuple(
-            _cells_of_rows(graph, masked, outside, reduction) for outside, reduction in ((0, aten.amax.default), (1, aten.amin.default))
-        ))
+    masked = mask.term if not mask.negated else call_op(graph, aten.logical_not.default, (mask.term,))
+    masked = call_op(graph, prims.convert_element_type.default, (masked, torch.int8))
+    # Each row's state per cell (0, 1 or 2 as for cells) is one int8 tensor between the two reductions, not two: the
+    # reduction across the rows, which reads it, reads half as much.
+    row_states = call_op(graph, aten.add.Tensor, tuple(
+        _cells_of_rows(graph, masked, outside, reduction) for outside, reduction in ((0, aten.amax.default), (1, aten.amin.default))
+    ))
     some_masked = call_op(graph, aten.gt.Scalar, (_cells(graph, row_states, 0, aten.amax.default), 0))
     all_masked = call_op(graph, aten.eq.Scalar, (_cells(graph, row_states, 2, aten.amin.default), 2))
     as_int8 = [call_op(graph, prims.convert_element_type.default, (flag, torch.int8)) for flag in (some_masked, all_masked)]
@@ -114,75 +107,6 @@ def _additive_mask_table(graph: torch.fx.Graph, mask: AdditiveMask) -> torch.fx.
     as_int8 = [call_op(graph, prims.convert_element_type.default, (flag, torch.int8)) for flag in (absorbing, nonzero)]
     all_masked = call_op(graph, aten.mul.Tensor, (as_int8[0], 2))
     return call_op(graph, aten.maximum.default, (all_masked, as_int8[1]))  # absorbing wins over zero
-
-
-def kept_cells(graph: torch.fx.Graph, mask: TensorMask) -> tuple[torch.fx.Node, torch.fx.Node, torch.fx.Node]:
-    """Graph nodes that summarise each row of a mask tensor ``[*lead, M, N]`` over each cell of ``MASK_TABLE_CELL``
-    columns: the first and the last column it keeps there (within the cell; ``MASK_TABLE_CELL`` and -1 where it keeps
-    none) and how many it keeps, ``[*lead, M, ⌈N/c⌉]`` each, int8 (``_kept_in_cells``). The table of cell states
-    (``_tensor_mask_table``) and the rows' intervals (``interval_rows``) are computed from them, so the mask is read
-    once for both."""
-    keep = mask.term if mask.negated else call_op(graph, aten.logical_not.default, (mask.term,))
-    return call_traced(graph, _kept_in_cells, [keep])
-
-
-def _kept_in_cells(keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One reduction over the mask's elements, of few operations each: each cell's kept columns as the bits of a
-    32-bit word (the sum of ``keep << column``); the counts and the first and last set bits follow per word
-    (``_set_bits``), not per element. (Three reductions per element, a min, a max and a sum, took twice as long as
-    the table's two did on the H200: the reduction is bound by its arithmetic, not by memory.)"""
-    columns = keep.shape[-1]
-    cells = -(-columns // MASK_TABLE_CELL)
-    padded = torch.nn.functional.pad(keep.to(torch.int32), (0, cells * MASK_TABLE_CELL - columns))  # past N: kept by none
-    in_cells = padded.view(*keep.shape[:-1], cells, MASK_TABLE_CELL)
-    shifts = torch.arange(MASK_TABLE_CELL, dtype=torch.int32, device=keep.device)
-    words = (in_cells << shifts).sum(-1, dtype=torch.int32)  # column 31's bit is the sign bit
-    lowest_and_below = (words & -words) - 1  # the bits below the lowest set one (all 32 for none)
-    highest_and_below = words  # every bit up to the highest set one (an arithmetic shift of bit 31 sets them all)
-    for shift in (1, 2, 4, 8, 16):
-        highest_and_below = highest_and_below | (highest_and_below >> shift)
-    first, last, count = _set_bits(lowest_and_below), _set_bits(highest_and_below) - 1, _set_bits(words)
-    return first.to(torch.int8), last.to(torch.int8), count.to(torch.int8)
-
-
-def _set_bits(words: torch.Tensor) -> torch.Tensor:
-    """How many bits are set in each int32 word, by pairs, nibbles and bytes (in int32: each mask clears the bits an
-    arithmetic shift fills, and the byte sums' product wraps with its top byte exact)."""
-    words = words - ((words >> 1) & 0x55555555)
-    words = (words & 0x33333333) + ((words >> 2) & 0x33333333)
-    words = (words + (words >> 4)) & 0x0F0F0F0F
-    return (words * 0x01010101) >> 24
-
-
-def interval_rows(graph: torch.fx.Graph, cells: tuple, columns: int) -> tuple[torch.fx.Node, torch.fx.Node, torch.fx.Node]:
-    """From a mask's ``kept_cells``: each row's interval of kept columns, ``first`` and ``last`` (``[*lead, M, 1]``,
-    int32; N and -1 for a row that keeps none), and one flag that says, per call, whether every row keeps exactly the
-    columns of its interval (a causal, windowed, prefix-LM or document mask made outside the function does). Where
-    it does, the kernel bounds each row tile's column tiles by its rows' intervals and tests each column against them
-    (``_score_chain_module``'s ``intervals``) instead of scanning the table and loading the mask; where it does not,
-    it runs the chain that reads the mask."""
-
-    def intervals(cell_first, cell_last, count):
-        starts = torch.arange(count.shape[-1], dtype=torch.int32, device=count.device) * MASK_TABLE_CELL
-        keeps = count > 0
-        first = torch.where(keeps, starts + cell_first, columns).amin(-1, keepdim=True)
-        last = torch.where(keeps, starts + cell_last, -1).amax(-1, keepdim=True)
-        total = count.sum(-1, keepdim=True, dtype=torch.int32)
-        return first, last, ((total == last - first + 1) | (total == 0)).all()
-
-    return call_traced(graph, intervals, list(cells))
-
-
-def _row_states_of_counts(graph: torch.fx.Graph, count: torch.fx.Node, columns: int) -> torch.fx.Node:
-    """Each row's state per cell (0 keeps all its columns, 2 none, 1 some) from how many it keeps (``kept_cells``);
-    columns past N neither keep nor mask, as in ``_tensor_mask_table``."""
-
-    def states(count):
-        starts = torch.arange(count.shape[-1], dtype=torch.int32, device=count.device) * MASK_TABLE_CELL
-        widths = (columns - starts).clamp_max(MASK_TABLE_CELL)
-        return ((count != widths).to(torch.int8) + (count == 0).to(torch.int8))  # some masked + all masked
-
-    return call_traced(graph, states, [count])
 
 
 # The two reductions below read memory in order: along each row's contiguous columns first, then across the cell's

@@ -105,7 +105,6 @@ def online_softmax_attention_template(
     position_subgraphs: Optional[tuple[Optional[int], Optional[int]]] = None,
     affine_subgraph: Optional[int] = None,
     ragged: bool = False,
-    interval_subgraphs: Optional[tuple[int, int]] = None,
 ) -> TritonTemplate:
     """The kernel template (``templates/online_softmax_attention.py.jinja``) for operands with the given numbers of
     batch dims (q, kᵀ, v and, if there is a fourth, the sink), position mask (tests for entirely masked and entirely
@@ -117,9 +116,7 @@ def online_softmax_attention_template(
     guards (speculation), or None; ``shared_v``: the heads of a group share one pass (a softmax with no sink, pair
     reduction, id mask or mask table); ``stores_lse``: the kernel also writes the rows' log-sum-exp (training; one
     head, a softmax; there the exact redo is for captured positions alone, no guards being speculated); ``ragged``:
-    the loops over column tiles split where the tiles leave the bounds (``_ragged``); ``interval_subgraphs``: the
-    subgraphs of the first and the last column each row keeps of the tabled mask, which bound the column tiles where
-    the ``affine_subgraph`` flag says the rows keep exactly those intervals."""
+    the loops over column tiles split where the tiles leave the bounds (``_ragged``)."""
     names, ranks = _kernel_inputs(batch_ranks, groups, shared_v, pair_rank, stores_lse)
     # What the lowerings make: speculation only for a softmax with no sink or pair reduction, no head groups in
     # training or with a pair reduction.
@@ -130,7 +127,6 @@ def online_softmax_attention_template(
         assert softmax and groups > 1 and id_subgraphs is None and table_subgraph is None and "SINK" not in names
         assert position_subgraphs is None
     assert affine_subgraph is None or (exact_subgraph is not None and groups == 1)
-    assert interval_subgraphs is None or (affine_subgraph is not None and table_subgraph is not None)
     source = template_files.render(
         "online_softmax_attention.py.jinja",
         names=names,
@@ -140,7 +136,7 @@ def online_softmax_attention_template(
         softmax=softmax, sink="SINK" in names, pair=pair_rank is not None, groups=groups, shared_v=shared_v,
         masked_tile=masked_tile_code, visible_tile=visible_tile_code, ids=id_subgraphs, table=table_subgraph,
         wide=wide_logits, exact_chain=exact_subgraph, stores_lse=stores_lse, positions=position_subgraphs,
-        affine=affine_subgraph, ragged=ragged, intervals=interval_subgraphs,
+        affine=affine_subgraph, ragged=ragged,
     )
     return _template_of(source)
 
@@ -695,10 +691,6 @@ def _lower_attention(q, kt, v, captured, sink, chain, group_coefficients=None, p
     if chain.affine_graph_module is not None:
         affine_subgraph = len(chains)
         chains.append(chain.affine_graph_module)
-    interval_subgraphs = None
-    if chain.interval_graph_modules is not None:
-        interval_subgraphs = (len(chains), len(chains) + 1)
-        chains += list(chain.interval_graph_modules)
     # The chains' inputs after the scores: the tensors they read, then the sizes they compute with. A size that is
     # not a dim of the scores (the head dim in a 1/sqrt(D) scale) is specialised, as the head dims are: the chain
     # may use it as a scalar, which Inductor's template codegen would give a tile's shape.
@@ -780,7 +772,7 @@ def _lower_attention(q, kt, v, captured, sink, chain, group_coefficients=None, p
         id_mask=id_subgraphs is not None,
     )
     configs = _autotuned(configs)
-    template_key += (_ragged([config["BLOCK_N"] for config in configs], n), interval_subgraphs)
+    template_key += (_ragged([config["BLOCK_N"] for config in configs], n),)
     for config in configs:
         error = online_softmax_attention_template(*template_key).maybe_append_choice(
             choices,
