@@ -171,7 +171,7 @@ def make_inputs(p: Program) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]
     extras["table"] = torch.randn(p.M + p.N - 1, p.H, generator=combined).to(p.dtype)
     extras["relative_index"] = torch.arange(p.N)[None, :] - torch.arange(p.M)[:, None] + p.M - 1  # a buffer, [M, N]
     extras["row_positions"], extras["col_positions"] = _read_positions(p)
-    if p.keep_rows != "random":
+    if p.mask == "bool_tensor" and p.keep_rows != "random":
         extras["keep"] = _interval_rows(p)
     return [q, k, v], extras
 
@@ -186,17 +186,18 @@ def _interval_rows(p: Program) -> torch.Tensor:
     for b in range(p.B):
         form = int(torch.randint(0, 3, (), generator=generator))
         width = int(torch.randint(1, p.N + 1, (), generator=generator))
-        for m in range(p.M):
-            last = min(m * p.N // p.M, p.N - 1)
-            if form == 0:  # a causal window
-                first = max(0, last - width + 1)
-            elif form == 1:  # a prefix
-                first, last = 0, width - 1
-            else:  # anywhere, or nowhere
-                first, last = sorted(torch.randint(0, p.N, (2,), generator=generator).tolist())
+        last = (torch.arange(p.M) * p.N // p.M).clamp(max=p.N - 1)
+        if form == 0:  # a causal window
+            first = (last - width + 1).clamp(min=0)
+        elif form == 1:  # a prefix
+            first, last = torch.zeros(p.M, dtype=torch.long), torch.full((p.M,), width - 1)
+        else:  # anywhere, or nowhere (drawn row by row)
+            first, last = torch.empty(p.M, dtype=torch.long), torch.empty(p.M, dtype=torch.long)
+            for m in range(p.M):
+                first[m], last[m] = sorted(torch.randint(0, p.N, (2,), generator=generator).tolist())
                 if torch.rand((), generator=generator) < 0.1:
-                    first, last = p.N, -1
-            keep[b, 0, m] = (columns >= first) & (columns <= last)
+                    first[m], last[m] = p.N, -1
+        keep[b, 0] = (columns >= first[:, None]) & (columns <= last[:, None])
     if p.keep_rows == "intervals_stray":
         b, m = int(torch.randint(0, p.B, (), generator=generator)), int(torch.randint(0, p.M, (), generator=generator))
         outside = (~keep[b, 0, m]).nonzero().flatten()

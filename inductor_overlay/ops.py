@@ -489,7 +489,9 @@ def _partial(grad_read: torch.Tensor, read: dict, batch_shape) -> torch.Tensor:
         grad_read = (grad_read.sum(shared) if shared else grad_read).reshape(-1, m, n)
         if read["kind"] == "full":
             return grad_read
-        return torch.stack([grad_read.diagonal(d, -2, -1).sum(-1) for d in range(1 - m, n)], -1)
+        diagonal = (torch.arange(n, device=grad_read.device) - torch.arange(m, device=grad_read.device)[:, None]) + (m - 1)
+        sums = grad_read.new_zeros(grad_read.shape[0], m + n - 1)
+        return sums.index_add_(1, diagonal.flatten(), grad_read.reshape(grad_read.shape[0], m * n))
     return grad_read.sum(-1).reshape(z, m) if read["kind"] == "rows" else grad_read.sum(-2).reshape(z, n)
 
 
