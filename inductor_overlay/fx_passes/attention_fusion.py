@@ -33,6 +33,7 @@ from inductor_overlay.fx_passes.block_sparsity import is_op as _is
 from inductor_overlay.fx_passes.finite_speculation import MAX_BOUND, guard_only_nodes, speculation_bound
 from inductor_overlay.fx_passes.logit_scale import fold_constant_scale
 from inductor_overlay.fx_passes.sdpa_route import replace_by_sdpa, sdpa_call
+from inductor_overlay.fx_passes.causal_tensor_route import causal_mask_call, route_when_causal
 from inductor_overlay import ops
 from inductor_overlay.ops import ScoreChain
 from inductor_overlay.fx_passes.fx_helpers import (
@@ -440,8 +441,13 @@ def _as_matmul_output(graph: torch.fx.Graph, fused: torch.fx.Node, rank: int, ou
     return call_op(graph, aten.view.default, (fused, [math.prod(output_batch), -1, _val(fused).shape[-1]]))
 
 
-def fuse_attention(graph: torch.fx.Graph) -> None:
-    """Post-grad pass: every fusable softmax→matmul becomes one fused attention node."""
+def _fuse_branch(graph: torch.fx.Graph) -> None:
+    fuse_attention(graph, causal_route=False)
+
+
+def fuse_attention(graph: torch.fx.Graph, causal_route: bool = True) -> None:
+    """Post-grad pass: every fusable softmax→matmul becomes one fused attention node (or SDPA's, ``sdpa_route``;
+    with ``causal_route``, either under a ``cond`` on its masks' tensors, ``causal_tensor_route``)."""
     if not config.attention_fusion:
         return
     changed = False
@@ -459,6 +465,12 @@ def fuse_attention(graph: torch.fx.Graph) -> None:
         if call is not None and replace_by_sdpa(outcome, call) is not None:
             counters["inductor"]["flashlight_attention_as_sdpa"] += 1
             log.info("attention at %s runs as SDPA (%s)", pv.name, call)
+            continue
+        causal = causal_mask_call(outcome) if causal_route else None
+        if causal is not None and route_when_causal(outcome, *causal, _fuse_branch) is not None:
+            counters["inductor"]["flashlight_attention_causal_route"] += 1
+            log.info("attention at %s runs as SDPA's causal attention while the tensors its masks read hold the "
+                     "causal mask, else fused", pv.name)
             continue
         fuse(outcome)
         counters["inductor"]["flashlight_attention_fused"] += 1

@@ -144,8 +144,9 @@ def takes_repeated_kv(key: torch.fx.Node, value: torch.fx.Node) -> bool:
     return _route_takes(values) and all((_repeated_batch_dims(v) or 0) > 0 for v in values)
 
 
-def sdpa_call(region: AttentionRegion) -> Optional[SdpaCall]:
-    """How ``region`` runs as SDPA when it is attention SDPA computes exactly and the policy gives it to SDPA."""
+def sdpa_layout(region: AttentionRegion) -> Optional[tuple[int, int, int, int]]:
+    """The K/V layout SDPA reads (``_kv_layout``) when the policy, device, dtypes and shapes let SDPA take
+    ``region`` apart from its chain, else None."""
     values = [source.node.meta["val"] for source in (region.q, region.kt, region.v)]
     if (
         not _route_takes(values)
@@ -153,8 +154,6 @@ def sdpa_call(region: AttentionRegion) -> Optional[SdpaCall]:
         or not region.softmax
         or region.sink is not None
         or region.pair is not None
-        or region.captured
-        or region.captured_sizes
     ):
         return None
     layout = _kv_layout(region)
@@ -168,17 +167,31 @@ def sdpa_call(region: AttentionRegion) -> Optional[SdpaCall]:
         and 0 not in values[0].stride()
     ):
         return None
+    return layout
+
+
+def sdpa_call(region: AttentionRegion) -> Optional[SdpaCall]:
+    """How ``region`` runs as SDPA when it is attention SDPA computes exactly and the policy gives it to SDPA."""
+    layout = None if region.captured or region.captured_sizes else sdpa_layout(region)
+    if layout is None:
+        return None
+    m, n = region.score_root.meta["val"].shape[-2:]
     fills = absorbing_fill_masks(region.chain, region.score_root, region.logits, region.logit_scale)
     formula, mask_nodes, _ = position_masks(region.chain, fills)
     is_causal = masks_above_diagonal(formula)
     if mask_nodes and not (is_causal and m == n):
         return None
-    scale_only = _score_chain_module(region, frozenset(mask_nodes))
+    scale = scale_apart_from(region, mask_nodes)
+    return None if scale is None else SdpaCall(scale, is_causal, *layout)
+
+
+def scale_apart_from(region: AttentionRegion, masks: list) -> Optional[float]:
+    """The constant scale that is all the chain does to the scores apart from the ``where`` nodes ``masks`` (and
+    dtype conversions), or None when it does more."""
+    scale_only = _score_chain_module(region, frozenset(masks))
     folded = fold_constant_scale(scale_only)
     module, scale = folded if folded is not None else (scale_only, 1.0)
-    if not _only_dtype_conversions(module):
-        return None
-    return SdpaCall(scale, is_causal, *layout)
+    return scale if _only_dtype_conversions(module) else None
 
 
 def _sdpa_graph(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: SdpaCall) -> torch.fx.GraphModule:

@@ -1,0 +1,218 @@
+"""Attention masked by tensors made outside the graph runs on SDPA's causal kernel while those tensors hold exactly
+the causal mask, on the overlay's fused kernel otherwise.
+
+Legality. A region that ``sdpa_route`` would give SDPA but for its masks (a constant scale, a square score matrix,
+fp16/bf16, the operands SDPA reads) whose every mask is a ``where`` that fills -inf, each where a condition computed
+without the scores says so, computes exactly ``scaled_dot_product_attention(q, k, v, is_causal=True, scale=s)``
+whenever the OR of those conditions is ``n > m`` for every batch entry, and exactly what it computes otherwise on
+the fused kernel. The graph cannot know which: the conditions read tensors made outside it (a registered ``tril``
+buffer sliced to the length, positions made once, a mask passed in). So the region becomes
+``torch.cond(known_causal(tensors), sdpa_branch, fused_branch, operands)``, where ``mask_checks.known_causal``
+answers on the host from checks it ran, on the device, on earlier calls with the same tensors at the same version.
+Both branches are copies of the region's own nodes: the first rewritten by ``sdpa_route.replace_by_sdpa``, the second
+fused as any region is. A region whose conditions read no graph input (positions built in the graph, which
+``sdpa_route`` decides at compile time) or read it through a random op is left to the fused kernel alone.
+
+Inference graphs only, and only where the graph's code runs in Python outside CUDA graphs. In training the forward and backward graphs are compiled apart, and the route would have to
+choose the same branch in both.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import math
+import operator
+from typing import Optional
+
+import torch
+from torch._inductor.virtualized import V
+
+from inductor_overlay import config
+from inductor_overlay.fx_passes.attention_region import AttentionRegion, find_attention
+from inductor_overlay.fx_passes.block_sparsity import depends_on, fill_is_true_branch, masked_terms, position_masks
+from inductor_overlay.fx_passes.fx_helpers import _RESHAPES
+from inductor_overlay.fx_passes.sdpa_route import (
+    SdpaCall,
+    _logical_shape,
+    replace_by_sdpa,
+    scale_apart_from,
+    sdpa_layout,
+)
+from inductor_overlay.mask_checks import known_causal
+
+aten = torch.ops.aten
+
+# The least work (batch · rows · columns · head dim) the route takes. Below it the call is bound by the host, where
+# the check (~13 us a call) and cuDNN's own host work (70-100 us a call, against ~10 us a Triton launch) cost more
+# than SDPA's kernel saves: on the H200 at 16x16x1024x64 (2^34) a mask passed in took 0.18-0.33 ms a call under the
+# route and 0.155 ms fused; from 8x16x2048x128 (2^36) on the route ran 25-30% faster
+# (results/written_forms/causal_tensor_route_h200.txt).
+MIN_WORK = 2**35
+
+# What a check's source may name besides torch (``mask_checks._CHECK_GLOBALS``).
+_CHECK_NAMES = {"torch", "device", "inf", "nan", "NoneType"}
+
+
+def causal_mask_call(region: AttentionRegion) -> Optional[tuple[SdpaCall, list[torch.fx.Node]]]:
+    """SDPA's causal call for ``region`` and the ``where`` nodes of its masks, when it is SDPA's causal attention
+    exactly where the masks' conditions hold ``n > m`` (see the module's rule), and those conditions read tensors
+    the graph is given."""
+    if not config.causal_tensor_route or region.captured_sizes or not _python_wrapper_without_graphs():
+        return None
+    layout = sdpa_layout(region)
+    if layout is None:
+        return None
+    scores = region.score_root
+    memo: dict = {}
+    wheres = [node for node in region.chain if masked_terms(node) is not None]
+    *batch, rows, columns = scores.meta["val"].shape
+    if math.prod(batch) * rows * columns * _logical_shape(region.q)[-1] < MIN_WORK:
+        return None
+    if not wheres or rows != columns or any(depends_on(node.args[0], scores, memo) for node in wheres):
+        return None
+    if len(position_masks(region.chain)[1]) == len(wheres):  # masks by formula alone: decided at compile time
+        return None
+    scale = scale_apart_from(region, wheres)
+    return None if scale is None else (SdpaCall(scale, True, *layout), wheres)
+
+
+def _python_wrapper_without_graphs() -> bool:
+    """The graph's code runs in Python, outside CUDA graphs: a branch on a host value is free there, while CUDA
+    graphs (``mode="reduce-overhead"``) would be given up for it and a C++ wrapper (AOTInductor) cannot call the
+    check."""
+    inductor = torch._inductor.config
+    return not (inductor.triton.cudagraphs or inductor.cpp_wrapper or V.aot_compilation)
+
+
+def _mask_check(wheres: list[torch.fx.Node]) -> Optional[tuple[list[torch.fx.Node], str]]:
+    """The graph inputs the masks' conditions read and the Python source of ``forward(self, *inputs)``, which
+    computes where the logits are -inf from them; None when a condition reads no input or runs a random op."""
+    graph = torch.fx.Graph()
+    env: dict = {}
+    inputs: list[torch.fx.Node] = []
+
+    def copy(node: torch.fx.Node) -> torch.fx.Node:
+        for ancestor in _ancestors(node, _is_input):
+            if ancestor in env:
+                continue
+            if _is_input(ancestor):
+                env[ancestor] = graph.placeholder(f"input_{len(inputs)}")
+                inputs.append(ancestor)
+            elif torch.Tag.nondeterministic_seeded in getattr(ancestor.target, "tags", ()):
+                raise ValueError(f"{ancestor.target} is random")
+            else:
+                env[ancestor] = graph.node_copy(ancestor, env.__getitem__)
+        return env[node]
+
+    try:
+        masked = None
+        for where in wheres:
+            condition = copy(where.args[0])
+            if not fill_is_true_branch(where):
+                condition = graph.call_function(aten.bitwise_not.default, (condition,))
+            masked = condition if masked is None else graph.call_function(aten.bitwise_or.Tensor, (masked, condition))
+    except ValueError:
+        return None
+    if not any(node.op == "placeholder" for node in inputs):
+        return None
+    graph.output(masked)
+    code = graph.python_code("self")
+    if not set(code.globals) <= _CHECK_NAMES | {"fx_pytree", "pytree", "builtins"}:
+        return None
+    return inputs, code.src
+
+
+def _ancestors(node: torch.fx.Node, stop) -> list[torch.fx.Node]:
+    """``node`` and every node it reads, inputs first; a node where ``stop`` holds is listed but not followed."""
+    order, seen, stack = [], set(), [(node, False)]
+    while stack:
+        current, expanded = stack.pop()
+        if expanded:
+            order.append(current)
+            continue
+        if current in seen:
+            continue
+        seen.add(current)
+        stack.append((current, True))
+        if not stop(current):
+            stack.extend((arg, False) for arg in reversed(current.all_input_nodes))
+    return order
+
+
+def _is_input(node: torch.fx.Node) -> bool:
+    return node.op in ("placeholder", "get_attr")
+
+
+def _branch_output(region: AttentionRegion) -> torch.fx.Node:
+    """The node the branches return: pv's view back to the scores' batch dims when that is its one user (SDPA's
+    output as it is), else pv."""
+    users = list(region.pv.users)
+    if len(users) == 1 and users[0].target in _RESHAPES and tuple(users[0].meta["val"].shape) == tuple(
+        region.score_root.meta["val"].shape[:-1]
+    ) + (region.pv.meta["val"].shape[-1],):
+        return users[0]
+    return region.pv
+
+
+def _branch(region: AttentionRegion, output: torch.fx.Node) -> tuple[torch.fx.GraphModule, list[torch.fx.Node], torch.fx.Node]:
+    """A copy of the region's nodes from its operands to ``output`` as a graph of its own, the operands it reads
+    (q, k, v and the tensors the chain reads, as the graph computes them) and the copy of pv."""
+    boundary = {region.q.node, region.kt.node, region.v.node, *region.captured}
+    graph = torch.fx.Graph()
+    env: dict = {}
+    order = _ancestors(output, lambda node: node in boundary or _is_input(node))
+    operands = [node for node in order if node in boundary or _is_input(node)]
+    for operand in operands:
+        env[operand] = graph.placeholder(operand.name)
+        env[operand].meta = dict(operand.meta)
+    for node in order:
+        if node not in env:
+            env[node] = graph.node_copy(node, env.__getitem__)
+    graph.output((env[output],))
+    return torch.fx.GraphModule(torch.nn.Module(), graph), operands, env[region.pv]
+
+
+def _add_branch(graph: torch.fx.Graph, module: torch.fx.GraphModule, stem: str) -> torch.fx.Node:
+    owner = graph.owning_module
+    name = next(f"{stem}_{i}" for i in itertools.count() if not hasattr(owner, f"{stem}_{i}"))
+    owner.add_submodule(name, module)
+    return graph.get_attr(name)
+
+
+def route_when_causal(region: AttentionRegion, call: SdpaCall, wheres: list[torch.fx.Node], fuse_branch) -> Optional[torch.fx.Node]:
+    """Replace the region by a ``cond`` between SDPA's causal kernel and the fused kernel (``fuse_branch``, run on
+    the second branch's graph) on ``known_causal`` of its masks' tensors; return the node standing for the
+    branches' output, or None (the region left as it was)."""
+    check = _mask_check(wheres)
+    if check is None:
+        return None
+    check_inputs, source = check
+    output = _branch_output(region)
+    sdpa_branch, operands, pv_copy = _branch(region, output)
+    fused_branch, _, _ = _branch(region, output)
+    copied = find_attention(pv_copy)
+    if not isinstance(copied, AttentionRegion) or replace_by_sdpa(copied, call) is None:
+        return None
+    for module in (sdpa_branch, fused_branch):
+        if module is fused_branch:
+            fuse_branch(module.graph)
+        module.graph.eliminate_dead_code()
+        module.graph.lint()
+        module.recompile()
+    result = next(iter(sdpa_branch.graph.find_nodes(op="output"))).args[0][0].meta["val"]
+    graph = region.pv.graph
+    with graph.inserting_before(output):
+        flag = graph.call_function(known_causal, (check_inputs, source, result.shape[-2]))
+        with torch._guards.detect_fake_mode([result]) or contextlib.nullcontext():
+            flag.meta["val"] = torch.empty((), dtype=torch.bool, device="cpu")
+        cond = graph.call_function(
+            torch.ops.higher_order.cond,
+            (flag, _add_branch(graph, sdpa_branch, "causal_sdpa"), _add_branch(graph, fused_branch, "causal_fused"),
+             tuple(operands)),
+        )
+        cond.meta["val"] = (result,)
+        routed = graph.call_function(operator.getitem, (cond, 0))
+        routed.meta["val"] = result
+    output.replace_all_uses_with(routed)
+    return routed
