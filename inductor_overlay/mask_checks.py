@@ -14,9 +14,13 @@ otherwise. The op decides on the host, from what it has seen before:
 - once the event has completed (a later call; at once on the CPU) it answers with the verdict for as long as the
   tensors stay the same objects at the same version.
 
-An in-place write to a tensor changes its version, so the next call answers False and the check starts over.
-A write through ``tensor.data`` (or outside PyTorch) changes no version and is not seen: ``config.causal_tensor_route``
-turns the route off for programs that write their masks that way.
+An in-place write to a tensor changes its version, so the next call answers False and the check starts over: the
+trust autograd places in version counters when it checks a tensor saved for backward. Writes that change no version
+are not seen: through ``tensor.data``, through another tensor on the same storage made by ``set_`` or
+``untyped_storage()``, through NumPy or DLPack aliases, by kernels given the raw pointer, by CUDA graph replays.
+``config.causal_tensor_route`` turns the route off for programs that write their masks that way. Tensors made under
+``torch.inference_mode`` have no version counter, and a call being captured into a CUDA graph would fix its answer
+in the graph: both are answered False, unchecked. A check that fails (out of memory) counts as not causal.
 """
 
 from __future__ import annotations
@@ -45,7 +49,10 @@ class _Sighting:
 _SIGHTINGS: dict[tuple, _Sighting] = {}
 
 # What a check's source may name besides its arguments (FX writes these for devices, dtypes and infinities).
-_CHECK_GLOBALS = {"torch": torch, "device": torch.device, "inf": math.inf, "nan": math.nan, "NoneType": type(None)}
+CHECK_GLOBALS = {"torch": torch, "device": torch.device, "inf": math.inf, "nan": math.nan, "NoneType": type(None)}
+
+# The check compares this many elements of the mask with the causal one at a time (a slab of rows).
+_COMPARED_AT_ONCE = 2**26
 
 
 def _mark(tensor: torch.Tensor) -> tuple:
@@ -55,23 +62,29 @@ def _mark(tensor: torch.Tensor) -> tuple:
 @functools.lru_cache(maxsize=256)
 def _check_function(source: str) -> Callable[..., torch.Tensor]:
     """The mask's computation from its tensors (``forward`` of an FX graph's Python source)."""
-    namespace = dict(_CHECK_GLOBALS)
+    namespace = dict(CHECK_GLOBALS)
     exec(compile(source, "<flashlight mask check>", "exec"), namespace)  # noqa: S102  (FX's own code for the mask)
     return functools.partial(namespace["forward"], None)
 
 
 def _start_check(sighting: _Sighting, tensors: list, source: str, rows: int) -> None:
-    """Evaluate the mask and compare it with ``n > m`` (where SDPA's causal kernel masks), on the tensors' device,
-    without waiting for the answer."""
+    """Evaluate the mask and compare it with ``n > m`` (where SDPA's causal kernel masks), a slab of rows at a time,
+    on the tensors' device, without waiting for the answer."""
     with torch.no_grad():
         masked = _check_function(source)(*tensors)
+        masked = masked.reshape((1,) * (2 - masked.dim()) + tuple(masked.shape))  # a row or a scalar: broadcast
+        masked = masked.expand(*masked.shape[:-2], rows, rows)
         positions = torch.arange(rows, device=masked.device)
-        differs = (masked != (positions[None, :] > positions[:, None])).any()
+        slab = max(1, _COMPARED_AT_ONCE // max(1, masked[..., :1, :].numel()))
+        differs = torch.zeros((), dtype=torch.bool, device=masked.device)
+        for first in range(0, rows, slab):
+            causal = positions[None, :] > positions[first : first + slab, None]
+            differs |= (masked[..., first : first + slab, :] != causal).any()
     if differs.device.type == "cuda":
-        verdict = torch.empty((), dtype=torch.bool, pin_memory=True)
+        verdict = torch.ones((), dtype=torch.bool, pin_memory=True)
         verdict.copy_(differs, non_blocking=True)
         done = torch.cuda.Event()
-        done.record()
+        done.record(torch.cuda.current_stream(differs.device))
         sighting.verdict, sighting.ready = verdict, done.query
     else:
         sighting.verdict, sighting.ready = differs, lambda: True
@@ -81,8 +94,12 @@ def _forget(key: tuple) -> Callable[[object], None]:
     return lambda _: _SIGHTINGS.pop(key, None)
 
 
-def known_causal_meaning(tensors: list, check: str, rows: int) -> bool:
-    key = (check, tuple(id(tensor) for tensor in tensors))
+def is_known_causal(tensors: list, check: str, rows: int) -> bool:
+    """Whether the mask ``check`` computes from ``tensors`` is known to be exactly ``n > m`` (see the module's
+    rules)."""
+    if any(tensor.is_inference() for tensor in tensors) or _capturing_graph():
+        return False
+    key = (check, rows, tuple(id(tensor) for tensor in tensors))
     marks = tuple(_mark(tensor) for tensor in tensors)
     sighting = _SIGHTINGS.get(key)
     if sighting is None or sighting.marks != marks or any(ref() is not t for ref, t in zip(sighting.refs, tensors)):
@@ -90,10 +107,18 @@ def known_causal_meaning(tensors: list, check: str, rows: int) -> bool:
         return False
     if sighting.causal is None:
         if sighting.ready is None:
-            _start_check(sighting, tensors, check, rows)
+            try:
+                _start_check(sighting, tensors, check, rows)
+            except Exception:  # noqa: BLE001  (out of memory, a mask the source cannot compute: not causal)
+                sighting.causal = False
+                return False
         if sighting.ready():
             sighting.causal = not bool(sighting.verdict)
     return bool(sighting.causal)
+
+
+def _capturing_graph() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
 # Defined through torch.library.Library rather than ``custom_op``: the op runs at every call of the graph, and the
@@ -105,7 +130,7 @@ _LIBRARY.define("known_causal(Tensor[] tensors, str check, int rows) -> Tensor")
 def _known_causal(tensors: list[torch.Tensor], check: str, rows: int) -> torch.Tensor:
     """True (a 0-d bool tensor on the host) when the mask ``check`` computes from ``tensors`` is known to be exactly
     ``n > m`` over ``rows`` rows and columns; False when it is not, or not known yet."""
-    return torch.tensor(known_causal_meaning(tensors, check, rows))
+    return torch.tensor(is_known_causal(tensors, check, rows))
 
 
 _LIBRARY.impl("known_causal", _known_causal, "CompositeExplicitAutograd")

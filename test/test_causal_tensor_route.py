@@ -28,7 +28,7 @@ def small_work_routed(monkeypatch):
 def answers(monkeypatch):
     """Every answer ``known_causal`` gives, and every check it starts."""
     seen = {"answers": [], "checks": 0}
-    answer, start = mask_checks.known_causal_meaning, mask_checks._start_check
+    answer, start = mask_checks.is_known_causal, mask_checks._start_check
 
     def spy_answer(*args):
         seen["answers"].append(answer(*args))
@@ -38,7 +38,7 @@ def answers(monkeypatch):
         seen["checks"] += 1
         return start(*args)
 
-    monkeypatch.setattr(mask_checks, "known_causal_meaning", spy_answer)
+    monkeypatch.setattr(mask_checks, "is_known_causal", spy_answer)
     monkeypatch.setattr(mask_checks, "_start_check", spy_start)
     return seen
 
@@ -60,7 +60,8 @@ def run_calls(fn, args, calls, kwargs_of_call=lambda call: {}):
 def assert_both_branches(code):
     """A host check, a branch on its answer, SDPA's causal kernel in one branch and the fused kernel in the other."""
     text = "\n".join(code)
-    FileCheck().check("def causal_sdpa_0").check("_scaled_dot_product_flash_attention_for_cpu").check("True, scale=")
+    FileCheck().check("def causal_sdpa_0").check("_scaled_dot_product_flash_attention_for_cpu").check(
+        "True, scale=").run(text)
     FileCheck().check("def causal_fused_0").check("triton_tem_fused").check(".run(").run(text)
     FileCheck().check("flashlight.known_causal.default(").check(".item():").check("causal_sdpa_0").check(
         "causal_fused_0").run(text)
@@ -94,14 +95,14 @@ def test_a_mask_written_in_place_is_checked_again():
         return {}
 
     seen = []
-    answer = mask_checks.known_causal_meaning
+    answer = mask_checks.is_known_causal
 
     def spy(*args):
         seen.append(answer(*args))
         return seen[-1]
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(mask_checks, "known_causal_meaning", spy)
+        patch.setattr(mask_checks, "is_known_causal", spy)
         run_calls(lambda q, k, v: variant.reference(q, k, v, **extras), (q, k, v), 8, kwargs_of_call)
     assert seen == [False, True, True, False, False, False, True, True]
 
@@ -165,7 +166,96 @@ def test_the_check_compares_every_batch_entry():
     mask_checks._SIGHTINGS.clear()
     source = "def forward(self, input_0):\n    return torch.ops.aten.bitwise_not.default(input_0)\n"
     keep = torch.ones(2, 1, 12, 12, dtype=torch.bool).tril()
-    assert [mask_checks.known_causal_meaning([keep], source, 12) for _ in range(3)] == [False, True, True]
+    assert [mask_checks.is_known_causal([keep], source, 12) for _ in range(3)] == [False, True, True]
     other = keep.clone()
     other[1, 0, 11, 11] = False
-    assert [mask_checks.known_causal_meaning([other], source, 12) for _ in range(3)] == [False, False, False]
+    assert [mask_checks.is_known_causal([other], source, 12) for _ in range(3)] == [False, False, False]
+
+
+def scaled_q_sliced_buffer(q, k, v):
+    """GPT-2's sliced buffer with the scale on q (``(q * c) @ kᵀ``) rather than on the scores."""
+    buffer = MADE_ONCE["forms_causal"]["module"].mask
+    scores = (q * q.shape[-1] ** -0.5) @ k.transpose(-2, -1)
+    mask = buffer[:, :, : q.shape[-2], : k.shape[-2]] == 0
+    return torch.softmax(scores.masked_fill(mask, float("-inf")), dim=-1) @ v
+
+
+def test_a_constant_on_q_is_applied_once(answers):
+    """The branches read q as the graph computes it (scaled): SDPA's call takes its scale from the branch, not from
+    the region, which moved the constant onto the scores."""
+    variant = form_variant("forms_causal:sliced_buffer_mask")
+    q, k, v, _ = make_inputs(variant, SHAPE, dtype=torch.bfloat16)
+    code = run_calls(scaled_q_sliced_buffer, (q, k, v), 3)
+    assert_both_branches(code)
+    assert answers["answers"] == [False, True, True]
+
+
+def bias_read_by_a_mask(q, k, v, keep):
+    """A -inf ``where`` that is not a mask of the scores: a bias the mask's condition reads (masks nothing here)."""
+    bias = torch.where(keep, torch.zeros((), dtype=q.dtype), float("-inf"))
+    scores = q @ k.transpose(-2, -1) / 4.0
+    return torch.softmax(scores.masked_fill(bias > 0, float("-inf")), dim=-1) @ v
+
+
+def multiplied_by_a_fill(q, k, v, keep):
+    """A -inf ``where`` that multiplies the scores (NaN rows in eager), not a mask."""
+    factor = torch.where(keep, torch.full((), 0.25, dtype=q.dtype), float("-inf"))
+    return torch.softmax((q @ k.transpose(-2, -1)) * factor, dim=-1) @ v
+
+
+@pytest.mark.parametrize("fn", [bias_read_by_a_mask, multiplied_by_a_fill])
+def test_a_minus_inf_where_off_the_score_path_takes_no_route(fn):
+    q, k, v = (torch.randn(1, 2, 64, 16, dtype=torch.bfloat16) for _ in range(3))
+    keep = torch.ones(64, 64, dtype=torch.bool).tril()
+    with testing.cpu_triton(), config.patch(**ROUTE):
+        out, code = testing.compile_and_get_code(fn, q, k, v, keep)
+    FileCheck().check_not("known_causal").run("\n".join(code))
+    testing.assert_close_to_reference(out, reference(fn, q, k, v, keep))
+
+
+def two_layers_one_mask(q, k, v, keep):
+    first = torch.softmax((q @ k.transpose(-2, -1) / 4.0).masked_fill(~keep, float("-inf")), dim=-1) @ v
+    return torch.softmax((first @ k.transpose(-2, -1) / 4.0).masked_fill(~keep, float("-inf")), dim=-1) @ v
+
+
+def test_attentions_reading_one_mask_share_its_check(answers):
+    q, k, v = (torch.randn(1, 2, 64, 16, dtype=torch.bfloat16) for _ in range(3))
+    keep = torch.ones(64, 64, dtype=torch.bool).tril()
+    code = run_calls(lambda q, k, v: two_layers_one_mask(q, k, v, keep), (q, k, v), 3)
+    text = "\n".join(code)
+    assert text.count("torch.ops.flashlight.known_causal.default(") == 1
+    assert text.count(".item():") == 2
+    assert answers["answers"] == [False, True, True]
+    assert answers["checks"] == 1
+
+
+def test_tensors_without_versions_are_never_trusted():
+    """Tensors made under inference_mode have no version counter: answered False, unchecked."""
+    mask_checks._SIGHTINGS.clear()
+    source = "def forward(self, input_0):\n    return torch.ops.aten.bitwise_not.default(input_0)\n"
+    with torch.inference_mode():
+        keep = torch.ones(12, 12, dtype=torch.bool).tril()
+    assert [mask_checks.is_known_causal([keep], source, 12) for _ in range(3)] == [False, False, False]
+
+
+def test_an_answer_waits_for_its_check(monkeypatch):
+    """On the GPU the verdict lands later: the answer stays False until the check's event says it is done."""
+    mask_checks._SIGHTINGS.clear()
+    source = "def forward(self, input_0):\n    return torch.ops.aten.bitwise_not.default(input_0)\n"
+    keep = torch.ones(12, 12, dtype=torch.bool).tril()
+    events = iter([False, False, True])
+    start = mask_checks._start_check
+
+    def later(sighting, *args):
+        start(sighting, *args)
+        sighting.ready = lambda: next(events)
+
+    monkeypatch.setattr(mask_checks, "_start_check", later)
+    assert [mask_checks.is_known_causal([keep], source, 12) for _ in range(5)] == [False, False, False, True, True]
+
+
+def test_a_check_that_fails_counts_as_not_causal():
+    mask_checks._SIGHTINGS.clear()
+    failing = "def forward(self, input_0):\n    raise RuntimeError('out of memory')\n"
+    keep = torch.ones(12, 12, dtype=torch.bool).tril()
+    assert [mask_checks.is_known_causal([keep], failing, 12) for _ in range(3)] == [False, False, False]

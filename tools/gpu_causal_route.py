@@ -32,14 +32,14 @@ class Answers:
 
     def __init__(self) -> None:
         self.seen: list[bool] = []
-        self.answer = mask_checks.known_causal_meaning
+        self.answer = mask_checks.is_known_causal
 
     def __enter__(self) -> "Answers":
-        mask_checks.known_causal_meaning = self.record
+        mask_checks.is_known_causal = self.record
         return self
 
     def __exit__(self, *_: object) -> None:
-        mask_checks.known_causal_meaning = self.answer
+        mask_checks.is_known_causal = self.answer
 
     def record(self, *args: object) -> bool:
         self.seen.append(self.answer(*args))

@@ -30,10 +30,10 @@ from inductor_overlay.fx_passes.block_sparsity import (
 )
 from inductor_overlay.fx_passes.block_sparsity import _COPIES, _DIM_VIEWS
 from inductor_overlay.fx_passes.block_sparsity import is_op as _is
+from inductor_overlay.fx_passes.causal_tensor_route import causal_mask_call, route_when_causal
 from inductor_overlay.fx_passes.finite_speculation import MAX_BOUND, guard_only_nodes, speculation_bound
 from inductor_overlay.fx_passes.logit_scale import fold_constant_scale
 from inductor_overlay.fx_passes.sdpa_route import replace_by_sdpa, sdpa_call
-from inductor_overlay.fx_passes.causal_tensor_route import causal_mask_call, route_when_causal
 from inductor_overlay import ops
 from inductor_overlay.ops import ScoreChain
 from inductor_overlay.fx_passes.fx_helpers import (
@@ -268,7 +268,7 @@ def fuse(
     reads = _position_reads(region) if region.softmax and config.block_skipping else None
     if region.softmax:
         fills = absorbing_fill_masks(region.chain, region.score_root, region.logits, region.logit_scale)
-        formula, mask_nodes, skippable = position_masks(region.chain, fills, reads)
+        formula, mask_nodes, skippable = position_masks(region.chain, region.score_root, fills, reads)
     guards, row_max_bound = _speculated_guards(region, training)
     wide_logits = region.softmax and _logits_may_near_float_max(region, fills, guard_only_nodes(region.chain, guards))
     id_mask = _summarised_id_mask(region) if region.softmax and config.block_skipping else None
@@ -467,7 +467,7 @@ def fuse_attention(graph: torch.fx.Graph, causal_route: bool = True) -> None:
             log.info("attention at %s runs as SDPA (%s)", pv.name, call)
             continue
         causal = causal_mask_call(outcome) if causal_route else None
-        if causal is not None and route_when_causal(outcome, *causal, _fuse_branch) is not None:
+        if causal is not None and route_when_causal(outcome, causal[1], _fuse_branch) is not None:
             counters["inductor"]["flashlight_attention_causal_route"] += 1
             log.info("attention at %s runs as SDPA's causal attention while the tensors its masks read hold the "
                      "causal mask, else fused", pv.name)

@@ -280,6 +280,14 @@ def masked_terms(where: torch.fx.Node, fills: frozenset = frozenset()) -> Option
     return None
 
 
+def fills_a_score(where: torch.fx.Node, scores: torch.fx.Node, memo: dict) -> bool:
+    """Whether the value ``where`` keeps beside its fill is computed from ``scores``: the fill then stands in for a
+    score. A ``where`` that fills some other value (a bias a later condition reads, a factor that multiplies the
+    scores) masks nothing by itself."""
+    kept = where.args[2] if fill_is_true_branch(where) else where.args[1]
+    return isinstance(kept, torch.fx.Node) and depends_on(kept, scores, memo)
+
+
 def _or_terms(node: object, negated: bool) -> list[tuple[object, bool]]:
     if is_op(node, (aten.logical_not.default, aten.bitwise_not.default)):
         return _or_terms(node.args[0], not negated)
@@ -290,17 +298,21 @@ def _or_terms(node: object, negated: bool) -> list[tuple[object, bool]]:
 
 
 def position_masks(
-    chain: list[torch.fx.Node], fills: frozenset = frozenset(), reads: Optional[PositionReads] = None
+    chain: list[torch.fx.Node],
+    scores: torch.fx.Node,
+    fills: frozenset = frozenset(),
+    reads: Optional[PositionReads] = None,
 ) -> tuple[Optional[sympy.Boolean], list[torch.fx.Node], Optional[sympy.Boolean]]:
     """Formulas over (m, n) of where the chain sets the logit to -inf by position, and the ``where`` nodes that
     do it. The first formula covers the masks whose every term is a position term: only those may be dropped from
     entirely visible tiles (the nodes). The third also has the position terms of masks that combine positions with
     terms no formula bounds (``doc[m] == doc[n] & n <= m``): it implies -inf, enough to skip a tile. The ``where``
-    nodes in ``fills`` count as -inf masks (``absorbing_fill_masks``). With ``reads``, positions may also be
-    integer vectors read from memory (``PositionReads``)."""
-    complete, nodes, skippable = [], [], []
+    nodes in ``fills`` count as -inf masks (``absorbing_fill_masks``); only a ``where`` that fills a score does
+    (``fills_a_score``). With ``reads``, positions may also be integer vectors read from memory (``PositionReads``)."""
+    complete, nodes, skippable, memo = [], [], [], {}
     for node in chain:
-        terms = masked_terms(node, fills)
+        masks = is_op(node, aten.where.self) and fills_a_score(node, scores, memo)
+        terms = masked_terms(node, fills) if masks else None
         known = _known_terms(terms or [], reads)
         skippable += known
         if terms and len(known) == len(terms):
@@ -430,9 +442,10 @@ def matched_id_masks(chain: list[torch.fx.Node], scores: torch.fx.Node) -> list[
     them; the kernel bounds them per tile at run time instead: a tile whose row ids and column ids span disjoint
     intervals has no equal pair, so it is entirely masked (``ids_disjoint``); one whose ids are all one value is
     entirely kept by the mask (``tile_tests.IDS_ALL_EQUAL``)."""
-    found = []
+    found, memo = [], {}
     for node in chain:
-        terms = masked_terms(node) or []
+        masks = is_op(node, aten.where.self) and fills_a_score(node, scores, memo)
+        terms = (masked_terms(node) or []) if masks else []
         for term, negated in terms:
             sides = _id_sides(term, negated, scores)
             if sides is not None:
@@ -477,9 +490,10 @@ def matched_tensor_masks(
     formula (over ``reads`` too) nor an id summary covers."""
     rows, columns = scores.meta["val"].shape[-2:]
     static_rows = isinstance(rows, int)
-    found = []
+    found, memo = [], {}
     for node in chain:
-        terms = masked_terms(node) or []
+        masks = is_op(node, aten.where.self) and fills_a_score(node, scores, memo)
+        terms = (masked_terms(node) or []) if masks else []
         for term, negated in terms:
             value = term.meta.get("val") if isinstance(term, torch.fx.Node) else None
             if (

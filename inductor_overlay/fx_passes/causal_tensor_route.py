@@ -2,19 +2,23 @@
 the causal mask, on the overlay's fused kernel otherwise.
 
 Legality. A region that ``sdpa_route`` would give SDPA but for its masks (a constant scale, a square score matrix,
-fp16/bf16, the operands SDPA reads) whose every mask is a ``where`` that fills -inf, each where a condition computed
-without the scores says so, computes exactly ``scaled_dot_product_attention(q, k, v, is_causal=True, scale=s)``
-whenever the OR of those conditions is ``n > m`` for every batch entry, and exactly what it computes otherwise on
-the fused kernel. The graph cannot know which: the conditions read tensors made outside it (a registered ``tril``
-buffer sliced to the length, positions made once, a mask passed in). So the region becomes
+fp16/bf16, the operands SDPA reads) whose every mask is a ``where`` on the score path that fills -inf where a
+condition computed without the scores says so (and whose chain has no other -inf ``where``), computes exactly
+``scaled_dot_product_attention(q, k, v, is_causal=True, scale=s)`` whenever the OR of those conditions is
+``n > m`` for every batch entry, and exactly what it computes otherwise on the fused kernel. The graph cannot know
+which: the conditions read tensors made outside it (a registered ``tril`` buffer sliced to the length, positions
+made once, a mask passed in). So the region becomes
 ``torch.cond(known_causal(tensors), sdpa_branch, fused_branch, operands)``, where ``mask_checks.known_causal``
 answers on the host from checks it ran, on the device, on earlier calls with the same tensors at the same version.
 Both branches are copies of the region's own nodes: the first rewritten by ``sdpa_route.replace_by_sdpa``, the second
-fused as any region is. A region whose conditions read no graph input (positions built in the graph, which
-``sdpa_route`` decides at compile time) or read it through a random op is left to the fused kernel alone.
+fused as any region is; SDPA's call is derived from the first copy, whose operands are the region's as the graph
+computes them (a constant on q already applied). A region whose conditions read no tensor the graph is given
+(positions built in the graph, which ``sdpa_route`` decides at compile time) or read one through a random op is
+left to the fused kernel alone. Regions of one graph whose masks read the same tensors the same way share one check.
 
-Inference graphs only, and only where the graph's code runs in Python outside CUDA graphs. In training the forward and backward graphs are compiled apart, and the route would have to
-choose the same branch in both.
+Inference graphs only (the joint pass has replaced attention that trains by then: the forward and backward graphs
+are compiled apart, and would have to choose the same branch), and only where the graph's code runs in Python
+outside CUDA graphs.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import contextlib
 import itertools
 import math
 import operator
+import weakref
 from typing import Optional
 
 import torch
@@ -30,7 +35,13 @@ from torch._inductor.virtualized import V
 
 from inductor_overlay import config
 from inductor_overlay.fx_passes.attention_region import AttentionRegion, find_attention
-from inductor_overlay.fx_passes.block_sparsity import depends_on, fill_is_true_branch, masked_terms, position_masks
+from inductor_overlay.fx_passes.block_sparsity import (
+    depends_on,
+    fill_is_true_branch,
+    fills_a_score,
+    masked_terms,
+    position_masks,
+)
 from inductor_overlay.fx_passes.fx_helpers import _RESHAPES
 from inductor_overlay.fx_passes.sdpa_route import (
     SdpaCall,
@@ -39,7 +50,7 @@ from inductor_overlay.fx_passes.sdpa_route import (
     scale_apart_from,
     sdpa_layout,
 )
-from inductor_overlay.mask_checks import known_causal
+from inductor_overlay.mask_checks import CHECK_GLOBALS, known_causal
 
 aten = torch.ops.aten
 
@@ -47,11 +58,11 @@ aten = torch.ops.aten
 # the check (~13 us a call) and cuDNN's own host work (70-100 us a call, against ~10 us a Triton launch) cost more
 # than SDPA's kernel saves: on the H200 at 16x16x1024x64 (2^34) a mask passed in took 0.18-0.33 ms a call under the
 # route and 0.155 ms fused; from 8x16x2048x128 (2^36) on the route ran 25-30% faster
-# (results/written_forms/causal_tensor_route_h200.txt).
+# (results/written_forms/causal_route_h200/route_on_off.txt).
 MIN_WORK = 2**35
 
-# What a check's source may name besides torch (``mask_checks._CHECK_GLOBALS``).
-_CHECK_NAMES = {"torch", "device", "inf", "nan", "NoneType"}
+# Regions of a graph already given a check, by what their masks read and how: the check's node.
+_CHECKS: "weakref.WeakKeyDictionary[torch.fx.Graph, dict]" = weakref.WeakKeyDictionary()
 
 
 def causal_mask_call(region: AttentionRegion) -> Optional[tuple[SdpaCall, list[torch.fx.Node]]]:
@@ -63,18 +74,23 @@ def causal_mask_call(region: AttentionRegion) -> Optional[tuple[SdpaCall, list[t
     layout = sdpa_layout(region)
     if layout is None:
         return None
-    scores = region.score_root
-    memo: dict = {}
-    wheres = [node for node in region.chain if masked_terms(node) is not None]
-    *batch, rows, columns = scores.meta["val"].shape
+    *batch, rows, columns = region.score_root.meta["val"].shape
     if math.prod(batch) * rows * columns * _logical_shape(region.q)[-1] < MIN_WORK:
         return None
-    if not wheres or rows != columns or any(depends_on(node.args[0], scores, memo) for node in wheres):
+    wheres = [node for node in region.chain if masked_terms(node) is not None]
+    if not wheres or rows != columns or not all(_masks_the_scores(node, region.score_root) for node in wheres):
         return None
-    if len(position_masks(region.chain)[1]) == len(wheres):  # masks by formula alone: decided at compile time
+    if len(position_masks(region.chain, region.score_root)[1]) == len(wheres):  # formulas alone: decided when compiling
         return None
     scale = scale_apart_from(region, wheres)
     return None if scale is None else (SdpaCall(scale, True, *layout), wheres)
+
+
+def _masks_the_scores(where: torch.fx.Node, scores: torch.fx.Node) -> bool:
+    """A -inf ``where`` that fills a score (not some other value: a bias a later condition reads, a factor) where a
+    condition computed without the scores says so."""
+    memo: dict = {}
+    return fills_a_score(where, scores, memo) and not depends_on(where.args[0], scores, memo)
 
 
 def _python_wrapper_without_graphs() -> bool:
@@ -97,12 +113,16 @@ def _mask_check(wheres: list[torch.fx.Node]) -> Optional[tuple[list[torch.fx.Nod
             if ancestor in env:
                 continue
             if _is_input(ancestor):
+                if not isinstance(ancestor.meta.get("val"), torch.Tensor):
+                    raise ValueError(f"{ancestor} is not a tensor")
                 env[ancestor] = graph.placeholder(f"input_{len(inputs)}")
                 inputs.append(ancestor)
             elif torch.Tag.nondeterministic_seeded in getattr(ancestor.target, "tags", ()):
                 raise ValueError(f"{ancestor.target} is random")
             else:
-                env[ancestor] = graph.node_copy(ancestor, env.__getitem__)
+                args, kwargs = torch.fx.node.map_arg((ancestor.args, ancestor.kwargs), env.__getitem__)
+                # Named by position, so that regions computing the same mask write the same source and share a check.
+                env[ancestor] = graph.create_node("call_function", ancestor.target, args, kwargs, name=f"v{len(env)}")
         return env[node]
 
     try:
@@ -118,7 +138,7 @@ def _mask_check(wheres: list[torch.fx.Node]) -> Optional[tuple[list[torch.fx.Nod
         return None
     graph.output(masked)
     code = graph.python_code("self")
-    if not set(code.globals) <= _CHECK_NAMES | {"fx_pytree", "pytree", "builtins"}:
+    if not set(code.globals) <= set(CHECK_GLOBALS) | {"fx_pytree", "pytree"}:  # the last two: unused imports
         return None
     return inputs, code.src
 
@@ -155,9 +175,9 @@ def _branch_output(region: AttentionRegion) -> torch.fx.Node:
     return region.pv
 
 
-def _branch(region: AttentionRegion, output: torch.fx.Node) -> tuple[torch.fx.GraphModule, list[torch.fx.Node], torch.fx.Node]:
+def _branch(region: AttentionRegion, output: torch.fx.Node) -> tuple[torch.fx.GraphModule, list, torch.fx.Node]:
     """A copy of the region's nodes from its operands to ``output`` as a graph of its own, the operands it reads
-    (q, k, v and the tensors the chain reads, as the graph computes them) and the copy of pv."""
+    (q, k, v and the tensors the chain reads, as the graph computes them), and the copy of pv."""
     boundary = {region.q.node, region.kt.node, region.v.node, *region.captured}
     graph = torch.fx.Graph()
     env: dict = {}
@@ -173,6 +193,37 @@ def _branch(region: AttentionRegion, output: torch.fx.Node) -> tuple[torch.fx.Gr
     return torch.fx.GraphModule(torch.nn.Module(), graph), operands, env[region.pv]
 
 
+def _as_sdpa(pv: torch.fx.Node) -> bool:
+    """Rewrite the attention ending at ``pv`` (a branch's copy of the region) into SDPA's causal call, derived from
+    the copy itself."""
+    copied = find_attention(pv)
+    found = causal_mask_call(copied) if isinstance(copied, AttentionRegion) else None
+    return found is not None and replace_by_sdpa(copied, found[0]) is not None
+
+
+def _finished(branch: torch.fx.GraphModule) -> torch.Tensor:
+    """Dead code out, code regenerated; the branch's output value."""
+    branch.graph.eliminate_dead_code()
+    branch.graph.lint()
+    branch.recompile()
+    return branch.graph.find_nodes(op="output")[0].args[0][0].meta["val"]
+
+
+def _check_node(graph: torch.fx.Graph, inputs: list[torch.fx.Node], source: str, rows: int, user: torch.fx.Node,
+                fake: torch.Tensor) -> torch.fx.Node:
+    """``known_causal(inputs, source, rows)`` before ``user``: the one an earlier region of the graph made for the
+    same mask, or a new one."""
+    checks = _CHECKS.setdefault(graph, {})
+    key = (tuple(inputs), source, rows)
+    flag = checks.get(key)
+    if flag is None or getattr(flag, "_erased", False) or not flag < user:
+        with graph.inserting_before(user):
+            flag = checks[key] = graph.call_function(known_causal, (inputs, source, rows))
+        with torch._guards.detect_fake_mode([fake]) or contextlib.nullcontext():
+            flag.meta["val"] = torch.empty((), dtype=torch.bool, device="cpu")
+    return flag
+
+
 def _add_branch(graph: torch.fx.Graph, module: torch.fx.GraphModule, stem: str) -> torch.fx.Node:
     owner = graph.owning_module
     name = next(f"{stem}_{i}" for i in itertools.count() if not hasattr(owner, f"{stem}_{i}"))
@@ -180,37 +231,26 @@ def _add_branch(graph: torch.fx.Graph, module: torch.fx.GraphModule, stem: str) 
     return graph.get_attr(name)
 
 
-def route_when_causal(region: AttentionRegion, call: SdpaCall, wheres: list[torch.fx.Node], fuse_branch) -> Optional[torch.fx.Node]:
+def route_when_causal(region: AttentionRegion, wheres: list[torch.fx.Node], fuse_branch) -> Optional[torch.fx.Node]:
     """Replace the region by a ``cond`` between SDPA's causal kernel and the fused kernel (``fuse_branch``, run on
     the second branch's graph) on ``known_causal`` of its masks' tensors; return the node standing for the
     branches' output, or None (the region left as it was)."""
     check = _mask_check(wheres)
     if check is None:
         return None
-    check_inputs, source = check
     output = _branch_output(region)
     sdpa_branch, operands, pv_copy = _branch(region, output)
-    fused_branch, _, _ = _branch(region, output)
-    copied = find_attention(pv_copy)
-    if not isinstance(copied, AttentionRegion) or replace_by_sdpa(copied, call) is None:
+    fused_branch = _branch(region, output)[0]
+    if not _as_sdpa(pv_copy):
         return None
-    for module in (sdpa_branch, fused_branch):
-        if module is fused_branch:
-            fuse_branch(module.graph)
-        module.graph.eliminate_dead_code()
-        module.graph.lint()
-        module.recompile()
-    result = next(iter(sdpa_branch.graph.find_nodes(op="output"))).args[0][0].meta["val"]
+    fuse_branch(fused_branch.graph)
+    result = _finished(sdpa_branch)
+    _finished(fused_branch)
     graph = region.pv.graph
+    flag = _check_node(graph, *check, result.shape[-2], output, result)
     with graph.inserting_before(output):
-        flag = graph.call_function(known_causal, (check_inputs, source, result.shape[-2]))
-        with torch._guards.detect_fake_mode([result]) or contextlib.nullcontext():
-            flag.meta["val"] = torch.empty((), dtype=torch.bool, device="cpu")
-        cond = graph.call_function(
-            torch.ops.higher_order.cond,
-            (flag, _add_branch(graph, sdpa_branch, "causal_sdpa"), _add_branch(graph, fused_branch, "causal_fused"),
-             tuple(operands)),
-        )
+        branches = (_add_branch(graph, sdpa_branch, "causal_sdpa"), _add_branch(graph, fused_branch, "causal_fused"))
+        cond = graph.call_function(torch.ops.higher_order.cond, (flag, *branches, tuple(operands)))
         cond.meta["val"] = (result,)
         routed = graph.call_function(operator.getitem, (cond, 0))
         routed.meta["val"] = result

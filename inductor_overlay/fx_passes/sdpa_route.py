@@ -177,7 +177,7 @@ def sdpa_call(region: AttentionRegion) -> Optional[SdpaCall]:
         return None
     m, n = region.score_root.meta["val"].shape[-2:]
     fills = absorbing_fill_masks(region.chain, region.score_root, region.logits, region.logit_scale)
-    formula, mask_nodes, _ = position_masks(region.chain, fills)
+    formula, mask_nodes, _ = position_masks(region.chain, region.score_root, fills)
     is_causal = masks_above_diagonal(formula)
     if mask_nodes and not (is_causal and m == n):
         return None
