@@ -722,9 +722,8 @@ def test_layers_sharing_a_mask_share_its_table():
     testing.assert_close_to_reference(out, two_layers(q.double(), k.double(), v.double(), attention_mask))
 
 
-def causal_bias_read_by_a_mask(q, k, v):
+def causal_bias_read_by_a_mask(q, k, v, keep):
     """A -inf ``where`` that fills a bias, not a score: the mask ``bias > 0`` reads it and masks nothing."""
-    keep = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool).tril()
     bias = torch.where(keep, torch.zeros((), dtype=q.dtype), float("-inf"))
     scores = q @ k.transpose(-2, -1) / 4.0
     return torch.softmax(scores.masked_fill(bias > 0, float("-inf")), dim=-1) @ v
@@ -741,7 +740,7 @@ def test_a_minus_inf_fill_of_another_value_skips_no_tile(fn):
     """Only a ``where`` whose kept value is a score masks (``block_sparsity.fills_a_score``): skipping the tiles of
     these fills' positions changed the result (every tile above the diagonal is visible here)."""
     q, k, v = (torch.randn(1, 2, 64, 16) for _ in range(3))
-    args = (q, k, v) if fn is causal_bias_read_by_a_mask else (q, k, v, torch.ones(64, 64, dtype=torch.bool).tril())
+    args = (q, k, v, torch.ones(64, 64, dtype=torch.bool).tril())
     with testing.cpu_triton(), config.patch(sdpa_pattern_policy="flashlight"):
         out, code = testing.compile_and_get_code(fn, *args)
     assert torch._dynamo.utils.counters["inductor"]["flashlight_attention_fused"] == 1

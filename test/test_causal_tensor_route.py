@@ -12,6 +12,7 @@ from flashlight import testing
 from inductor_overlay import config, mask_checks
 from inductor_overlay.fx_passes import causal_tensor_route
 from test.test_attention_fusion import reference
+from test.test_block_sparsity import causal_bias_read_by_a_mask, causal_factor
 
 counters = torch._dynamo.utils.counters
 ROUTE = dict(sdpa_pattern_policy="unmasked_sdpa", sdpa_route_devices=("cpu",))
@@ -190,21 +191,9 @@ def test_a_constant_on_q_is_applied_once(answers):
     assert answers["answers"] == [False, True, True]
 
 
-def bias_read_by_a_mask(q, k, v, keep):
-    """A -inf ``where`` that is not a mask of the scores: a bias the mask's condition reads (masks nothing here)."""
-    bias = torch.where(keep, torch.zeros((), dtype=q.dtype), float("-inf"))
-    scores = q @ k.transpose(-2, -1) / 4.0
-    return torch.softmax(scores.masked_fill(bias > 0, float("-inf")), dim=-1) @ v
-
-
-def multiplied_by_a_fill(q, k, v, keep):
-    """A -inf ``where`` that multiplies the scores (NaN rows in eager), not a mask."""
-    factor = torch.where(keep, torch.full((), 0.25, dtype=q.dtype), float("-inf"))
-    return torch.softmax((q @ k.transpose(-2, -1)) * factor, dim=-1) @ v
-
-
-@pytest.mark.parametrize("fn", [bias_read_by_a_mask, multiplied_by_a_fill])
+@pytest.mark.parametrize("fn", [causal_bias_read_by_a_mask, causal_factor])
 def test_a_minus_inf_where_off_the_score_path_takes_no_route(fn):
+    """A -inf fill of a bias that a condition reads, or of a factor of the scores, is no mask: no route."""
     q, k, v = (torch.randn(1, 2, 64, 16, dtype=torch.bfloat16) for _ in range(3))
     keep = torch.ones(64, 64, dtype=torch.bool).tril()
     with testing.cpu_triton(), config.patch(**ROUTE):
