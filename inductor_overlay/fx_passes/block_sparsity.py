@@ -281,11 +281,30 @@ def masked_terms(where: torch.fx.Node, fills: frozenset = frozenset()) -> Option
 
 
 def fills_a_score(where: torch.fx.Node, scores: torch.fx.Node, memo: dict) -> bool:
-    """Whether the value ``where`` keeps beside its fill is computed from ``scores``: the fill then stands in for a
-    score. A ``where`` that fills some other value (a bias a later condition reads, a factor that multiplies the
-    scores) masks nothing by itself."""
+    """Whether the fill of ``where`` stands in for a score: the value it keeps beside the fill is computed from
+    ``scores``, or ``where`` is a bias (``where(cond, -inf, 0)``) that every use adds to such a value, through dtype
+    conversions and broadcasts. A ``where`` that fills some other value (a bias a later condition reads, a factor
+    that multiplies the scores) masks nothing by itself."""
     kept = where.args[2] if fill_is_true_branch(where) else where.args[1]
-    return isinstance(kept, torch.fx.Node) and depends_on(kept, scores, memo)
+    if isinstance(kept, torch.fx.Node) and depends_on(kept, scores, memo):
+        return True
+    return _added_to_scores(where, scores, memo)
+
+
+_BROADCASTS = (prims.convert_element_type.default, aten.expand.default, aten.unsqueeze.default)
+
+
+def _added_to_scores(value: torch.fx.Node, scores: torch.fx.Node, memo: dict) -> bool:
+    users = list(value.users)
+    for user in users:
+        if is_op(user, _BROADCASTS) and user.args[0] is value:
+            if not _added_to_scores(user, scores, memo):
+                return False
+        elif not (is_op(user, aten.add.Tensor) and any(
+            isinstance(arg, torch.fx.Node) and arg is not value and depends_on(arg, scores, memo) for arg in user.args
+        )):
+            return False
+    return bool(users)
 
 
 def _or_terms(node: object, negated: bool) -> list[tuple[object, bool]]:
