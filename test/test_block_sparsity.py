@@ -735,10 +735,22 @@ def causal_factor(q, k, v, keep):
     return torch.softmax((q @ k.transpose(-2, -1)) * factor, dim=-1) @ v
 
 
-@pytest.mark.parametrize("fn", [causal_bias_read_by_a_mask, causal_factor])
+def negated_after_mask(q, k, v, keep):
+    """The masked scores negated: -inf becomes +inf (NaN rows in eager), not a mask."""
+    return torch.softmax(-(q @ k.transpose(-2, -1) / 4.0).masked_fill(~keep, float("-inf")), dim=-1) @ v
+
+
+def capped_after_mask(q, k, v, keep):
+    """A soft-cap after the mask: tanh(-inf) = -1, a logit of -1, weighed like any other."""
+    masked = (q @ k.transpose(-2, -1) / 4.0).masked_fill(~keep, float("-inf"))
+    return torch.softmax(torch.tanh(masked), dim=-1) @ v
+
+
+@pytest.mark.parametrize("fn", [causal_bias_read_by_a_mask, causal_factor, negated_after_mask, capped_after_mask])
 def test_a_minus_inf_fill_of_another_value_skips_no_tile(fn):
-    """Only a ``where`` whose kept value is a score masks (``block_sparsity.fills_a_score``): skipping the tiles of
-    these fills' positions changed the result (every tile above the diagonal is visible here)."""
+    """A ``where`` masks only when its -inf stands in for a score and reaches the logits as -inf
+    (``block_sparsity.fills_a_score``): skipping the tiles of these fills' positions changed the result (every tile
+    above the diagonal counts here)."""
     q, k, v = (torch.randn(1, 2, 64, 16) for _ in range(3))
     args = (q, k, v, torch.ones(64, 64, dtype=torch.bool).tril())
     with testing.cpu_triton(), config.patch(sdpa_pattern_policy="flashlight"):

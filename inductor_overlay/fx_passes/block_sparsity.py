@@ -280,31 +280,69 @@ def masked_terms(where: torch.fx.Node, fills: frozenset = frozenset()) -> Option
     return None
 
 
-def fills_a_score(where: torch.fx.Node, scores: torch.fx.Node, memo: dict) -> bool:
-    """Whether the fill of ``where`` stands in for a score: the value it keeps beside the fill is computed from
-    ``scores``, or ``where`` is a bias (``where(cond, -inf, 0)``) that every use adds to such a value, through dtype
-    conversions and broadcasts. A ``where`` that fills some other value (a bias a later condition reads, a factor
-    that multiplies the scores) masks nothing by itself."""
+def fills_a_score(where: torch.fx.Node, scores: torch.fx.Node, chain: frozenset, memo: dict) -> bool:
+    """Whether the -inf fill of ``where`` masks a logit: it stands in for a score (the value kept beside it is
+    computed from ``scores``, or ``where`` is a bias, ``where(cond, -inf, 0)``, that every use adds to such a value,
+    through dtype conversions and broadcasts), and every op of the ``chain`` on its way to the logits keeps -inf as
+    -inf. A ``where`` that fills some other value (a bias a later condition reads, a factor of the scores), or whose
+    -inf a later op turns into something else (a negation, a soft-cap's tanh), masks nothing by itself."""
     kept = where.args[2] if fill_is_true_branch(where) else where.args[1]
     if isinstance(kept, torch.fx.Node) and depends_on(kept, scores, memo):
-        return True
-    return _added_to_scores(where, scores, memo)
+        starts = [where]
+    else:
+        starts = _adds_to_scores(where, scores, memo)
+    return bool(starts) and all(_keeps_minus_inf(start, chain, set()) for start in starts)
 
 
 _BROADCASTS = (prims.convert_element_type.default, aten.expand.default, aten.unsqueeze.default)
+_VIEWS_OF_SCORES = (*_BROADCASTS, aten.view.default, aten.reshape.default)
 
 
-def _added_to_scores(value: torch.fx.Node, scores: torch.fx.Node, memo: dict) -> bool:
-    users = list(value.users)
-    for user in users:
+def _adds_to_scores(value: torch.fx.Node, scores: torch.fx.Node, memo: dict) -> Optional[list[torch.fx.Node]]:
+    """The adds of ``value`` (through broadcasts) to values computed from the scores, when every use is one."""
+    adds = []
+    for user in value.users:
         if is_op(user, _BROADCASTS) and user.args[0] is value:
-            if not _added_to_scores(user, scores, memo):
-                return False
-        elif not (is_op(user, aten.add.Tensor) and any(
+            more = _adds_to_scores(user, scores, memo)
+            if more is None:
+                return None
+            adds += more
+        elif is_op(user, aten.add.Tensor) and any(
             isinstance(arg, torch.fx.Node) and arg is not value and depends_on(arg, scores, memo) for arg in user.args
-        )):
+        ):
+            adds.append(user)
+        else:
+            return None
+    return adds or None
+
+
+def _keeps_minus_inf(value: torch.fx.Node, chain: frozenset, seen: set) -> bool:
+    """Every op of ``chain`` that reads ``value`` gives -inf where it is -inf, and so on to the chain's end."""
+    for user in value.users:
+        if user not in chain or user in seen:
+            continue
+        seen.add(user)
+        if not (_minus_inf_in_minus_inf_out(user, value) and _keeps_minus_inf(user, chain, seen)):
             return False
-    return bool(users)
+    return True
+
+
+def _minus_inf_in_minus_inf_out(op: torch.fx.Node, value: torch.fx.Node) -> bool:
+    first, others = op.args[0], op.args[1:]
+    if is_op(op, prims.convert_element_type.default):
+        return op.args[1].is_floating_point
+    if is_op(op, _VIEWS_OF_SCORES) or is_op(op, aten.add.Tensor):
+        return True
+    if is_op(op, aten.sub.Tensor):
+        return first is value and op.args[1] is not value
+    if is_op(op, (aten.mul.Tensor, aten.div.Tensor)):  # by a positive constant (a divisor only)
+        factor = op.args[1] if first is value else first
+        in_order = first is value or is_op(op, aten.mul.Tensor)
+        return in_order and factor is not value and positive_scalar(factor) is not None
+    if is_op(op, aten.where.self):  # another mask: the other branch is -inf too
+        condition, if_true, if_false = op.args
+        return condition is not value and is_minus_inf(if_false if if_true is value else if_true)
+    return False
 
 
 def _or_terms(node: object, negated: bool) -> list[tuple[object, bool]]:
@@ -328,9 +366,9 @@ def position_masks(
     terms no formula bounds (``doc[m] == doc[n] & n <= m``): it implies -inf, enough to skip a tile. The ``where``
     nodes in ``fills`` count as -inf masks (``absorbing_fill_masks``); only a ``where`` that fills a score does
     (``fills_a_score``). With ``reads``, positions may also be integer vectors read from memory (``PositionReads``)."""
-    complete, nodes, skippable, memo = [], [], [], {}
+    complete, nodes, skippable, memo, links = [], [], [], {}, frozenset(chain)
     for node in chain:
-        masks = is_op(node, aten.where.self) and fills_a_score(node, scores, memo)
+        masks = is_op(node, aten.where.self) and fills_a_score(node, scores, links, memo)
         terms = masked_terms(node, fills) if masks else None
         known = _known_terms(terms or [], reads)
         skippable += known
@@ -461,9 +499,9 @@ def matched_id_masks(chain: list[torch.fx.Node], scores: torch.fx.Node) -> list[
     them; the kernel bounds them per tile at run time instead: a tile whose row ids and column ids span disjoint
     intervals has no equal pair, so it is entirely masked (``ids_disjoint``); one whose ids are all one value is
     entirely kept by the mask (``tile_tests.IDS_ALL_EQUAL``)."""
-    found, memo = [], {}
+    found, memo, links = [], {}, frozenset(chain)
     for node in chain:
-        masks = is_op(node, aten.where.self) and fills_a_score(node, scores, memo)
+        masks = is_op(node, aten.where.self) and fills_a_score(node, scores, links, memo)
         terms = (masked_terms(node) or []) if masks else []
         for term, negated in terms:
             sides = _id_sides(term, negated, scores)
@@ -509,9 +547,9 @@ def matched_tensor_masks(
     formula (over ``reads`` too) nor an id summary covers."""
     rows, columns = scores.meta["val"].shape[-2:]
     static_rows = isinstance(rows, int)
-    found, memo = [], {}
+    found, memo, links = [], {}, frozenset(chain)
     for node in chain:
-        masks = is_op(node, aten.where.self) and fills_a_score(node, scores, memo)
+        masks = is_op(node, aten.where.self) and fills_a_score(node, scores, links, memo)
         terms = (masked_terms(node) or []) if masks else []
         for term, negated in terms:
             value = term.meta.get("val") if isinstance(term, torch.fx.Node) else None

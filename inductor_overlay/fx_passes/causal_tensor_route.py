@@ -78,7 +78,7 @@ def causal_mask_call(region: AttentionRegion) -> Optional[tuple[SdpaCall, list[t
     if math.prod(batch) * rows * columns * _logical_shape(region.q)[-1] < MIN_WORK:
         return None
     wheres = [node for node in region.chain if masked_terms(node) is not None]
-    if not wheres or rows != columns or not all(_masks_the_scores(node, region.score_root) for node in wheres):
+    if not wheres or rows != columns or not all(_masks_the_scores(node, region) for node in wheres):
         return None
     if len(position_masks(region.chain, region.score_root)[1]) == len(wheres):  # formulas alone: decided when compiling
         return None
@@ -86,11 +86,12 @@ def causal_mask_call(region: AttentionRegion) -> Optional[tuple[SdpaCall, list[t
     return None if scale is None else (SdpaCall(scale, True, *layout), wheres)
 
 
-def _masks_the_scores(where: torch.fx.Node, scores: torch.fx.Node) -> bool:
-    """A -inf ``where`` that fills a score (not some other value: a bias a later condition reads, a factor) where a
-    condition computed without the scores says so."""
+def _masks_the_scores(where: torch.fx.Node, region: AttentionRegion) -> bool:
+    """A -inf ``where`` that masks a logit (``block_sparsity.fills_a_score``) where a condition computed without the
+    scores says so."""
     memo: dict = {}
-    return fills_a_score(where, scores, memo) and not depends_on(where.args[0], scores, memo)
+    scores = region.score_root
+    return fills_a_score(where, scores, frozenset(region.chain), memo) and not depends_on(where.args[0], scores, memo)
 
 
 def _python_wrapper_without_graphs() -> bool:
