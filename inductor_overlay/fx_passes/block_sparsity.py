@@ -5,7 +5,10 @@ positions m and n (causal, sliding window, prefix-LM, block-causal ...). This mo
 sympy formula over the position symbols ``ops.ROW`` and ``ops.COL``; the fused node carries it, and the kernel
 (``kernel/tile_tests.py``) renders from it the Triton test that decides, by interval arithmetic over a tile's row
 and column ranges, whether ``cond`` holds for every element of the tile. Such a tile contributes exp(-inf) = 0 to
-every sum: the kernel can skip it exactly. A fully
+every sum: the kernel can skip it exactly. That holds only for a ``where`` whose -inf stands in for a score (the
+value it keeps is computed from the scores, or it is a bias every use adds to them) and reaches the logits as -inf
+(``fills_a_score``): one that fills another value (a bias a condition reads, a factor), or whose -inf a later op
+turns into something else (a negation, a tanh), masks nothing by itself. A fully
 masked row then gets 0/0 = NaN, exactly as eager does. A finite fill (GPT-2's ``finfo.min``) counts as -inf only
 where it provably absorbs (``absorbing_fill_masks``): every row keeps a key and the fill lies far enough below; eager
 gives a row that keeps no key the mean of V, so other finite fills (-1e4) stay per-element only.
