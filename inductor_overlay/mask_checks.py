@@ -45,7 +45,7 @@ class _Sighting:
     causal: Optional[bool] = None
 
 
-# (check source, ids of the tensors) -> what the op knows; an entry leaves with the first of its tensors to die.
+# (check source, rows, ids of the tensors) -> what the op knows; an entry leaves with the first of its tensors to die.
 _SIGHTINGS: dict[tuple, _Sighting] = {}
 
 # What a check's source may name besides its arguments (FX writes these for devices, dtypes and infinities).
