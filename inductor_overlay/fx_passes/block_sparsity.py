@@ -331,7 +331,7 @@ def _keeps_minus_inf(value: torch.fx.Node, chain: frozenset, seen: set) -> bool:
 
 
 def _minus_inf_in_minus_inf_out(op: torch.fx.Node, value: torch.fx.Node) -> bool:
-    first, others = op.args[0], op.args[1:]
+    first = op.args[0]
     if is_op(op, prims.convert_element_type.default):
         return op.args[1].is_floating_point
     if is_op(op, _VIEWS_OF_SCORES) or is_op(op, aten.add.Tensor):
@@ -346,6 +346,15 @@ def _minus_inf_in_minus_inf_out(op: torch.fx.Node, value: torch.fx.Node) -> bool
         condition, if_true, if_false = op.args
         return condition is not value and is_minus_inf(if_false if if_true is value else if_true)
     return False
+
+
+def logit_mask_terms(
+    node: torch.fx.Node, scores: torch.fx.Node, chain: frozenset, memo: dict, fills: frozenset = frozenset()
+) -> Optional[list[tuple[object, bool]]]:
+    """``masked_terms`` of a ``where`` that masks a logit (``fills_a_score``); None for any other node."""
+    if not (is_op(node, aten.where.self) and fills_a_score(node, scores, chain, memo)):
+        return None
+    return masked_terms(node, fills)
 
 
 def _or_terms(node: object, negated: bool) -> list[tuple[object, bool]]:
@@ -371,8 +380,7 @@ def position_masks(
     (``fills_a_score``). With ``reads``, positions may also be integer vectors read from memory (``PositionReads``)."""
     complete, nodes, skippable, memo, links = [], [], [], {}, frozenset(chain)
     for node in chain:
-        masks = is_op(node, aten.where.self) and fills_a_score(node, scores, links, memo)
-        terms = masked_terms(node, fills) if masks else None
+        terms = logit_mask_terms(node, scores, links, memo, fills)
         known = _known_terms(terms or [], reads)
         skippable += known
         if terms and len(known) == len(terms):
@@ -504,8 +512,7 @@ def matched_id_masks(chain: list[torch.fx.Node], scores: torch.fx.Node) -> list[
     entirely kept by the mask (``tile_tests.IDS_ALL_EQUAL``)."""
     found, memo, links = [], {}, frozenset(chain)
     for node in chain:
-        masks = is_op(node, aten.where.self) and fills_a_score(node, scores, links, memo)
-        terms = (masked_terms(node) or []) if masks else []
+        terms = logit_mask_terms(node, scores, links, memo) or []
         for term, negated in terms:
             sides = _id_sides(term, negated, scores)
             if sides is not None:
@@ -552,8 +559,7 @@ def matched_tensor_masks(
     static_rows = isinstance(rows, int)
     found, memo, links = [], {}, frozenset(chain)
     for node in chain:
-        masks = is_op(node, aten.where.self) and fills_a_score(node, scores, links, memo)
-        terms = (masked_terms(node) or []) if masks else []
+        terms = logit_mask_terms(node, scores, links, memo) or []
         for term, negated in terms:
             value = term.meta.get("val") if isinstance(term, torch.fx.Node) else None
             if (

@@ -24,10 +24,8 @@ outside CUDA graphs.
 from __future__ import annotations
 
 import contextlib
-import itertools
 import math
 import operator
-import weakref
 from typing import Optional
 
 import torch
@@ -42,7 +40,8 @@ from inductor_overlay.fx_passes.block_sparsity import (
     masked_terms,
     position_masks,
 )
-from inductor_overlay.fx_passes.fx_helpers import _RESHAPES
+from inductor_overlay.fx_passes.fx_helpers import _RESHAPES, subgraph
+from inductor_overlay.fx_passes.mask_tables import _shared_table
 from inductor_overlay.fx_passes.sdpa_route import (
     SdpaCall,
     _logical_shape,
@@ -60,10 +59,6 @@ aten = torch.ops.aten
 # route and 0.155 ms fused; from 8x16x2048x128 (2^36) on the route ran 25-30% faster
 # (results/written_forms/causal_route_h200/route_on_off.txt).
 MIN_WORK = 2**35
-
-# Regions of a graph already given a check, by what their masks read and how: the check's node.
-_CHECKS: "weakref.WeakKeyDictionary[torch.fx.Graph, dict]" = weakref.WeakKeyDictionary()
-
 
 def causal_mask_call(region: AttentionRegion) -> Optional[tuple[SdpaCall, list[torch.fx.Node]]]:
     """SDPA's causal call for ``region`` and the ``where`` nodes of its masks, when it is SDPA's causal attention
@@ -214,22 +209,14 @@ def _check_node(graph: torch.fx.Graph, inputs: list[torch.fx.Node], source: str,
                 fake: torch.Tensor) -> torch.fx.Node:
     """``known_causal(inputs, source, rows)`` before ``user``: the one an earlier region of the graph made for the
     same mask, or a new one."""
-    checks = _CHECKS.setdefault(graph, {})
-    key = (tuple(inputs), source, rows)
-    flag = checks.get(key)
-    if flag is None or getattr(flag, "_erased", False) or not flag < user:
-        with graph.inserting_before(user):
-            flag = checks[key] = graph.call_function(known_causal, (inputs, source, rows))
+
+    def build() -> torch.fx.Node:
+        flag = graph.call_function(known_causal, (inputs, source, rows))
         with torch._guards.detect_fake_mode([fake]) or contextlib.nullcontext():
             flag.meta["val"] = torch.empty((), dtype=torch.bool, device="cpu")
-    return flag
+        return flag
 
-
-def _add_branch(graph: torch.fx.Graph, module: torch.fx.GraphModule, stem: str) -> torch.fx.Node:
-    owner = graph.owning_module
-    name = next(f"{stem}_{i}" for i in itertools.count() if not hasattr(owner, f"{stem}_{i}"))
-    owner.add_submodule(name, module)
-    return graph.get_attr(name)
+    return _shared_table(graph, ("known_causal", tuple(inputs), source, rows), build, user)
 
 
 def route_when_causal(region: AttentionRegion, wheres: list[torch.fx.Node], fuse_branch) -> Optional[torch.fx.Node]:
@@ -250,7 +237,7 @@ def route_when_causal(region: AttentionRegion, wheres: list[torch.fx.Node], fuse
     graph = region.pv.graph
     flag = _check_node(graph, *check, result.shape[-2], output, result)
     with graph.inserting_before(output):
-        branches = (_add_branch(graph, sdpa_branch, "causal_sdpa"), _add_branch(graph, fused_branch, "causal_fused"))
+        branches = (subgraph(graph, sdpa_branch, "causal_sdpa"), subgraph(graph, fused_branch, "causal_fused"))
         cond = graph.call_function(torch.ops.higher_order.cond, (flag, *branches, tuple(operands)))
         cond.meta["val"] = (result,)
         routed = graph.call_function(operator.getitem, (cond, 0))
