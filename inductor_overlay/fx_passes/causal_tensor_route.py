@@ -56,8 +56,8 @@ aten = torch.ops.aten
 # The least work (batch · rows · columns · head dim) the route takes. Below it the call is bound by the host, where
 # the check (~13 us a call) and cuDNN's own host work (70-100 us a call, against ~10 us a Triton launch) cost more
 # than SDPA's kernel saves: on the H200 at 16x16x1024x64 (2^34) a mask passed in took 0.18-0.33 ms a call under the
-# route and 0.155 ms fused; from 8x16x2048x128 (2^36) on the route ran 25-30% faster
-# (results/written_forms/causal_route_h200/route_on_off.txt).
+# route and 0.155 ms fused; at 2^36 and more (8x16x2048x128, 4x32x4096x64, 1x16x16384x128) the route took 12-32% less
+# time (results/written_forms/causal_route_h200/route_on_off.txt).
 MIN_WORK = 2**35
 
 def causal_mask_call(region: AttentionRegion) -> Optional[tuple[SdpaCall, list[torch.fx.Node]]]:
