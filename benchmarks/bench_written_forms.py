@@ -4,6 +4,7 @@ the family's first form (positions built in the forward; for document ids and pa
 variant library writes it), FlexAttention given the family's score_mod/BlockMask, and SDPA where it has one.
 
     python -m benchmarks.bench_written_forms --families forms_causal,forms_alibi --shapes 4x32x4096x64 --out DIR
+        [--forms captured_positions,flex]
 
 Times are medians of ``triton.testing.do_bench``; every row is checked against a float32 reference of the in-function
 form. Results: ``DIR/results.csv`` and ``DIR/results.md``, with device, versions and date per row.
@@ -16,7 +17,7 @@ import csv
 import pathlib
 import sys
 import time
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 
@@ -40,7 +41,10 @@ def _timed(run: Callable, q, k, v, extras: dict, ref) -> tuple[float, float]:
     return ms, err
 
 
-def bench_family(variant: Variant, shape: Shape, dtype: torch.dtype, stamp: dict, log: Callable) -> list[dict]:
+def bench_family(variant: Variant, shape: Shape, dtype: torch.dtype, stamp: dict, log: Callable,
+                 forms: Optional[set] = None) -> list[dict]:
+    """Every form of ``variant`` (or those named in ``forms``, with the first form, the ratios' base), Flex and SDPA
+    (where named, or always without ``forms``) at ``shape``."""
     q, k, v, extras = make_inputs(variant, shape, device="cuda", dtype=dtype)
     try:
         with torch.no_grad():
@@ -52,10 +56,13 @@ def bench_family(variant: Variant, shape: Shape, dtype: torch.dtype, stamp: dict
     rows: list[dict] = []
     counters = torch._dynamo.utils.counters
     runs: list[tuple[str, Callable[[], tuple[Callable, float]]]] = []
+    first = next(iter(variant.idioms))
     for form, fn in variant.idioms.items():
-        runs.append((form, lambda fn=fn: _compile(fn, q, k, v, extras)))
-    runs.append(("flex", lambda: _flex(variant, shape, extras, q, k, v)))
-    if variant.name in SDPA:
+        if forms is None or form in forms or form == first:
+            runs.append((form, lambda fn=fn: _compile(fn, q, k, v, extras)))
+    if forms is None or "flex" in forms:
+        runs.append(("flex", lambda: _flex(variant, shape, extras, q, k, v)))
+    if variant.name in SDPA and (forms is None or "sdpa" in forms):
         runs.append(("sdpa", lambda: (SDPA[variant.name], 0.0)))
     for form, make in runs:
         counters.clear()
@@ -68,7 +75,7 @@ def bench_family(variant: Variant, shape: Shape, dtype: torch.dtype, stamp: dict
         fused = counters["inductor"]["flashlight_attention_fused"] + counters["inductor"]["flashlight_attention_as_sdpa"]
         rows.append(dict(family=variant.name, form=form, B=shape.B, H=shape.H, S=shape.M, D=shape.D, ms=round(ms, 4),
                          rel_err=f"{err:.2e}", compile_s=round(compile_s, 2), fused=fused, **stamp))
-    _ratios(rows, first_form=next(iter(variant.idioms)))
+    _ratios(rows, first_form=first)
     for row in rows:
         wrong = float(row["rel_err"]) > WRONG_OUTPUT_TOLERANCE
         log(f"  {row['form']:20} {row['ms']:>9} ms  ×first {row['vs_first_form']:>5}  ×flex {row['vs_flex']:>5}  err "
@@ -117,6 +124,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--families", default=",".join(FORMS))
     parser.add_argument("--shapes", default="4x32x4096x64,1x16x16384x128")
+    parser.add_argument("--forms", default="", help="forms to run (and flex, sdpa), comma-separated; default: all")
     parser.add_argument("--dtype", default="bf16", choices=DTYPES)
     parser.add_argument("--out", default="results/written_forms")
     args = parser.parse_args()
@@ -126,7 +134,8 @@ def main() -> int:
     for shape_text in args.shapes.split(","):
         for family in args.families.split(","):
             log(f"{family} {shape_text}")
-            rows += bench_family(FORMS[family], parse_shape(shape_text), DTYPES[args.dtype], stamp, log)
+            forms = set(args.forms.split(",")) if args.forms else None
+            rows += bench_family(FORMS[family], parse_shape(shape_text), DTYPES[args.dtype], stamp, log, forms)
             with (out_dir / "results.csv").open("w", newline="") as handle:
                 writer = csv.DictWriter(handle, fieldnames=COLUMNS)
                 writer.writeheader()

@@ -158,4 +158,12 @@ sdpa_route_devices: tuple = tuple(filter(None, os.environ.get("FLASHLIGHT_SDPA_R
 # ``tensor.data`` changes no version: set FLASHLIGHT_CAUSAL_TENSOR_ROUTE=0 for programs that write masks that way.
 causal_tensor_route: bool = os.environ.get("FLASHLIGHT_CAUSAL_TENSOR_ROUTE", "1") != "0"
 
+# Attention whose chain reads positions made outside the graph (a 1-D integer tensor made once, a registered position
+# buffer sliced to the length) runs as ``torch.cond`` between the kernel of the same attention written with ``arange``
+# in the graph and the kernel that reads the positions: ``mask_checks.known_arange`` checks that they hold 0, 1, ...
+# on the device from their second call on and answers from that check while they keep their version
+# (fx_passes/arange_positions_route.py). Inference graphs only; not under CUDA graphs or AOTInductor. A write through
+# ``tensor.data`` changes no version: set FLASHLIGHT_ARANGE_POSITIONS_ROUTE=0 for programs that write positions so.
+arange_positions_route: bool = os.environ.get("FLASHLIGHT_ARANGE_POSITIONS_ROUTE", "1") != "0"
+
 install_config_module(sys.modules[__name__])

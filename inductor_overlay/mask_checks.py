@@ -1,16 +1,20 @@
-"""``flashlight::known_causal``: whether the mask that tensors made outside the compiled graph describe is known to
-be exactly the causal one, checked once per version of those tensors, never by waiting for the device.
+"""Host checks of tensors made outside the compiled graph, once per version of those tensors, never by waiting for
+the device:
 
-A mask read from tensors (a registered ``tril`` buffer sliced to the length, positions made once, a mask passed in)
-can be the causal mask without the graph saying so. ``fx_passes/causal_tensor_route.py`` then puts the attention
-under a ``torch.cond`` on this op: SDPA's causal kernel where the op answers True, the overlay's fused kernel
-otherwise. The op decides on the host, from what it has seen before:
+- ``flashlight::known_causal``: whether the mask the tensors describe is exactly the causal one. A mask read from
+  tensors (a registered ``tril`` buffer sliced to the length, positions made once, a mask passed in) can be the
+  causal mask without the graph saying so; ``fx_passes/causal_tensor_route.py`` then puts the attention under a
+  ``torch.cond`` on this op: SDPA's causal kernel where it answers True, the overlay's fused kernel otherwise.
+- ``flashlight::known_arange``: whether 1-D tensors (positions made once, a registered position buffer) hold
+  0, 1, ..., len − 1; ``fx_passes/arange_positions_route.py`` then runs the attention as if they were built in the
+  graph with ``arange``.
+
+An op decides on the host, from what it has seen before:
 
 - the first time it sees a set of tensors (the same Python objects at the same version, address, shape and
   strides) it answers False and remembers them: tensors made anew for every call never cost a check;
-- the second time it starts the check: it evaluates the mask from the tensors (``check``, the mask's own
-  computation as Python source), compares it with ``n > m`` on the device, and copies the verdict to pinned host
-  memory behind a CUDA event;
+- the second time it starts the check on the device (for a mask: its own computation, given as Python source,
+  compared with ``n > m``), and copies the verdict to pinned host memory behind a CUDA event;
 - once the event has completed (a later call; at once on the CPU) it answers with the verdict for as long as the
   tensors stay the same objects at the same version.
 
@@ -18,9 +22,10 @@ An in-place write to a tensor changes its version, so the next call answers Fals
 trust autograd places in version counters when it checks a tensor saved for backward. Writes that change no version
 are not seen: through ``tensor.data``, through another tensor on the same storage made by ``set_`` or
 ``untyped_storage()``, through NumPy or DLPack aliases, by kernels given the raw pointer, by CUDA graph replays.
-``config.causal_tensor_route`` turns the route off for programs that write their masks that way. Tensors made under
-``torch.inference_mode`` have no version counter, and a call being captured into a CUDA graph would fix its answer
-in the graph: both are answered False, unchecked. A check that fails (out of memory) counts as not causal.
+``config.causal_tensor_route`` and ``config.arange_positions_route`` turn the routes off for programs that write
+their tensors that way. Tensors made under ``torch.inference_mode`` have no version counter, and a call being
+captured into a CUDA graph would fix its answer in the graph: both are answered False, unchecked. A check that
+fails (out of memory) answers False.
 """
 
 from __future__ import annotations
@@ -40,12 +45,12 @@ class _Sighting:
 
     refs: tuple  # weak references to the tensors, in the op's order
     marks: tuple  # each tensor's (version, address, shape, strides, offset) when first seen
-    verdict: Optional[torch.Tensor] = None  # 0-d bool on the host: the mask differs from the causal one somewhere
+    verdict: Optional[torch.Tensor] = None  # 0-d bool on the host: the property fails somewhere
     ready: Optional[Callable[[], bool]] = None  # whether ``verdict`` holds the device's answer yet
-    causal: Optional[bool] = None
+    holds: Optional[bool] = None
 
 
-# (check source, rows, ids of the tensors) -> what the op knows; an entry leaves with the first of its tensors to die.
+# (property, its arguments, ids of the tensors) -> what the ops know; an entry leaves with the first of its tensors to die.
 _SIGHTINGS: dict[tuple, _Sighting] = {}
 
 # What a check's source may name besides its arguments (FX writes these for devices, dtypes and infinities).
@@ -80,6 +85,21 @@ def _start_check(sighting: _Sighting, tensors: list, source: str, rows: int) -> 
         for first in range(0, rows, slab):
             causal = positions[None, :] > positions[first : first + slab, None]
             differs |= (masked[..., first : first + slab, :] != causal).any()
+    _verdict_later(sighting, differs)
+
+
+def _start_arange_check(sighting: _Sighting, tensors: list) -> None:
+    """Compare each (1-D) tensor with 0, 1, ..., len − 1 on its device, without waiting for the answer."""
+    with torch.no_grad():
+        differs = torch.zeros((), dtype=torch.bool, device=tensors[0].device)
+        for tensor in tensors:
+            differs |= (tensor != torch.arange(tensor.numel(), device=tensor.device)).any()
+    _verdict_later(sighting, differs)
+
+
+def _verdict_later(sighting: _Sighting, differs: torch.Tensor) -> None:
+    """Keep the device's answer (``differs``, 0-d bool) for a later call: copied to pinned host memory behind a
+    CUDA event, or at once on the CPU."""
     if differs.device.type == "cuda":
         verdict = torch.ones((), dtype=torch.bool, pin_memory=True)
         verdict.copy_(differs, non_blocking=True)
@@ -94,27 +114,39 @@ def _forget(key: tuple) -> Callable[[object], None]:
     return lambda _: _SIGHTINGS.pop(key, None)
 
 
-def is_known_causal(tensors: list, check: str, rows: int) -> bool:
-    """Whether the mask ``check`` computes from ``tensors`` is known to be exactly ``n > m`` (see the module's
-    rules)."""
+def _known(key: tuple, tensors: list, start: Callable[[_Sighting], None]) -> bool:
+    """Whether the property ``start`` checks (its verdict: it fails somewhere) is known to hold of ``tensors``:
+    False at the first sighting of these tensors at their version, the check started at the second, its answer
+    from the first call after the device has given it (see the module's rules). ``key`` names the property."""
     if any(tensor.is_inference() for tensor in tensors) or _capturing_graph():
         return False
-    key = (check, rows, tuple(id(tensor) for tensor in tensors))
+    key = (*key, tuple(id(tensor) for tensor in tensors))
     marks = tuple(_mark(tensor) for tensor in tensors)
     sighting = _SIGHTINGS.get(key)
     if sighting is None or sighting.marks != marks or any(ref() is not t for ref, t in zip(sighting.refs, tensors)):
         _SIGHTINGS[key] = _Sighting(tuple(weakref.ref(tensor, _forget(key)) for tensor in tensors), marks)
         return False
-    if sighting.causal is None:
+    if sighting.holds is None:
         if sighting.ready is None:
             try:
-                _start_check(sighting, tensors, check, rows)
-            except Exception:  # noqa: BLE001  (out of memory, a mask the source cannot compute: not causal)
-                sighting.causal = False
+                start(sighting)
+            except Exception:  # noqa: BLE001  (out of memory, a mask the source cannot compute: it does not hold)
+                sighting.holds = False
                 return False
         if sighting.ready():
-            sighting.causal = not bool(sighting.verdict)
-    return bool(sighting.causal)
+            sighting.holds = not bool(sighting.verdict)
+    return bool(sighting.holds)
+
+
+def is_known_causal(tensors: list, check: str, rows: int) -> bool:
+    """Whether the mask ``check`` computes from ``tensors`` is known to be exactly ``n > m`` (see the module's
+    rules)."""
+    return _known(("causal", check, rows), tensors, lambda sighting: _start_check(sighting, tensors, check, rows))
+
+
+def is_known_arange(tensors: list) -> bool:
+    """Whether each of ``tensors`` (1-D) is known to hold 0, 1, ..., len − 1 (see the module's rules)."""
+    return _known(("arange",), tensors, lambda sighting: _start_arange_check(sighting, tensors))
 
 
 def _capturing_graph() -> bool:
@@ -141,4 +173,21 @@ def _(tensors: list[torch.Tensor], check: str, rows: int) -> torch.Tensor:
     return torch.empty((), dtype=torch.bool, device="cpu")
 
 
+_LIBRARY.define("known_arange(Tensor[] tensors) -> Tensor")
+
+
+def _known_arange(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """True (a 0-d bool tensor on the host) when each of ``tensors`` is known to hold 0, 1, ..., len − 1."""
+    return torch.tensor(is_known_arange(tensors))
+
+
+_LIBRARY.impl("known_arange", _known_arange, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("flashlight::known_arange", lib=_LIBRARY)
+def _(tensors: list[torch.Tensor]) -> torch.Tensor:
+    return torch.empty((), dtype=torch.bool, device="cpu")
+
+
 known_causal = torch.ops.flashlight.known_causal.default
+known_arange = torch.ops.flashlight.known_arange.default

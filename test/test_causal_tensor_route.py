@@ -15,7 +15,9 @@ from test.test_attention_fusion import reference
 from test.test_block_sparsity import causal_bias_read_by_a_mask, causal_factor
 
 counters = torch._dynamo.utils.counters
-ROUTE = dict(sdpa_pattern_policy="unmasked_sdpa", sdpa_route_devices=("cpu",))
+# (Positions that hold 0, 1, ... take the arange route first, ``test_arange_positions_route.py``: off here, so that
+# the causal route meets every form.)
+ROUTE = dict(sdpa_pattern_policy="unmasked_sdpa", sdpa_route_devices=("cpu",), arange_positions_route=False)
 SHAPE = Shape(1, 2, 96, 96, 16)
 
 
@@ -25,11 +27,10 @@ def small_work_routed(monkeypatch):
     monkeypatch.setattr(causal_tensor_route, "MIN_WORK", 0)
 
 
-@pytest.fixture
-def answers(monkeypatch):
-    """Every answer ``known_causal`` gives, and every check it starts."""
+def spy_on_checks(monkeypatch, answer_name: str, start_name: str) -> dict:
+    """Every answer ``mask_checks.<answer_name>`` gives, and every check ``mask_checks.<start_name>`` starts."""
     seen = {"answers": [], "checks": 0}
-    answer, start = mask_checks.is_known_causal, mask_checks._start_check
+    answer, start = getattr(mask_checks, answer_name), getattr(mask_checks, start_name)
 
     def spy_answer(*args):
         seen["answers"].append(answer(*args))
@@ -39,9 +40,14 @@ def answers(monkeypatch):
         seen["checks"] += 1
         return start(*args)
 
-    monkeypatch.setattr(mask_checks, "is_known_causal", spy_answer)
-    monkeypatch.setattr(mask_checks, "_start_check", spy_start)
+    monkeypatch.setattr(mask_checks, answer_name, spy_answer)
+    monkeypatch.setattr(mask_checks, start_name, spy_start)
     return seen
+
+
+@pytest.fixture
+def answers(monkeypatch):
+    return spy_on_checks(monkeypatch, "is_known_causal", "_start_check")
 
 
 def run_calls(fn, args, calls, kwargs_of_call=lambda call: {}):

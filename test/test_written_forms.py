@@ -19,7 +19,9 @@ FORM_CASES = [
 
 
 def _compile(fn, *args, **kwargs):
-    with testing.cpu_triton():
+    """One call's output and code: the kernel that reads the positions (a first call takes it; the route to the
+    in-function kernel, on from the second call, has its own tests: ``test_arange_positions_route.py``)."""
+    with testing.cpu_triton(), config.patch(arange_positions_route=False):
         return testing.compile_and_get_code(fn, *args, **kwargs)
 
 

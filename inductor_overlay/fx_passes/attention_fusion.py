@@ -30,6 +30,7 @@ from inductor_overlay.fx_passes.block_sparsity import (
 )
 from inductor_overlay.fx_passes.block_sparsity import _COPIES, _DIM_VIEWS
 from inductor_overlay.fx_passes.block_sparsity import is_op as _is
+from inductor_overlay.fx_passes.arange_positions_route import arange_positions, route_when_arange
 from inductor_overlay.fx_passes.causal_tensor_route import causal_mask_call, route_when_causal
 from inductor_overlay.fx_passes.finite_speculation import MAX_BOUND, guard_only_nodes, speculation_bound
 from inductor_overlay.fx_passes.logit_scale import fold_constant_scale
@@ -442,12 +443,13 @@ def _as_matmul_output(graph: torch.fx.Graph, fused: torch.fx.Node, rank: int, ou
 
 
 def _fuse_branch(graph: torch.fx.Graph) -> None:
-    fuse_attention(graph, causal_route=False)
+    fuse_attention(graph, routes=False)
 
 
-def fuse_attention(graph: torch.fx.Graph, causal_route: bool = True) -> None:
+def fuse_attention(graph: torch.fx.Graph, routes: bool = True) -> None:
     """Post-grad pass: every fusable softmax→matmul becomes one fused attention node (or SDPA's, ``sdpa_route``;
-    with ``causal_route``, either under a ``cond`` on its masks' tensors, ``causal_tensor_route``)."""
+    with ``routes``, two of them under a ``cond`` on a check of tensors made outside the graph: the positions the
+    chain reads, ``arange_positions_route``, or its masks' tensors, ``causal_tensor_route``)."""
     if not config.attention_fusion:
         return
     changed = False
@@ -466,7 +468,13 @@ def fuse_attention(graph: torch.fx.Graph, causal_route: bool = True) -> None:
             counters["inductor"]["flashlight_attention_as_sdpa"] += 1
             log.info("attention at %s runs as SDPA (%s)", pv.name, call)
             continue
-        causal = causal_mask_call(outcome) if causal_route else None
+        positions = arange_positions(outcome) if routes else []
+        if positions and route_when_arange(outcome, positions, _fuse_branch) is not None:
+            counters["inductor"]["flashlight_attention_arange_route"] += 1
+            log.info("attention at %s runs as if the positions its chain reads were built with arange while they "
+                     "hold 0, 1, ..., fused reading them otherwise", pv.name)
+            continue
+        causal = causal_mask_call(outcome) if routes else None
         if causal is not None and route_when_causal(outcome, causal[1], _fuse_branch) is not None:
             counters["inductor"]["flashlight_attention_causal_route"] += 1
             log.info("attention at %s runs as SDPA's causal attention while the tensors its masks read hold the "

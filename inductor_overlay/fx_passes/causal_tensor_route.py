@@ -23,13 +23,10 @@ outside CUDA graphs.
 
 from __future__ import annotations
 
-import contextlib
 import math
-import operator
 from typing import Optional
 
 import torch
-from torch._inductor.virtualized import V
 
 from inductor_overlay import config
 from inductor_overlay.fx_passes.attention_region import AttentionRegion, find_attention
@@ -40,8 +37,16 @@ from inductor_overlay.fx_passes.block_sparsity import (
     masked_terms,
     position_masks,
 )
-from inductor_overlay.fx_passes.fx_helpers import _RESHAPES, subgraph
-from inductor_overlay.fx_passes.mask_tables import _shared_table
+from inductor_overlay.fx_passes.checked_branches import (
+    ancestors,
+    branch_on,
+    branch_output,
+    finished,
+    is_input,
+    python_wrapper_without_graphs,
+    region_branch,
+    shared_check,
+)
 from inductor_overlay.fx_passes.sdpa_route import (
     SdpaCall,
     _logical_shape,
@@ -60,17 +65,18 @@ aten = torch.ops.aten
 # time (results/written_forms/causal_route_h200/route_on_off.txt).
 MIN_WORK = 2**35
 
+
 def causal_mask_call(region: AttentionRegion) -> Optional[tuple[SdpaCall, list[torch.fx.Node]]]:
     """SDPA's causal call for ``region`` and the ``where`` nodes of its masks, when it is SDPA's causal attention
     exactly where the masks' conditions hold ``n > m`` (see the module's rule), and those conditions read tensors
     the graph is given."""
-    if not config.causal_tensor_route or region.captured_sizes or not _python_wrapper_without_graphs():
+    if not config.causal_tensor_route or region.captured_sizes or not python_wrapper_without_graphs():
         return None
     layout = sdpa_layout(region)
     if layout is None:
         return None
-    *batch, rows, columns = region.score_root.meta["val"].shape
-    if math.prod(batch) * rows * columns * _logical_shape(region.q)[-1] < MIN_WORK:
+    *_, rows, columns = region.score_root.meta["val"].shape
+    if attention_work(region) < MIN_WORK:
         return None
     wheres = [node for node in region.chain if masked_terms(node) is not None]
     if not wheres or rows != columns or not all(_masks_the_scores(node, region) for node in wheres):
@@ -81,20 +87,17 @@ def causal_mask_call(region: AttentionRegion) -> Optional[tuple[SdpaCall, list[t
     return None if scale is None else (SdpaCall(scale, True, *layout), wheres)
 
 
+def attention_work(region: AttentionRegion) -> int:
+    """Batch · rows · columns · head dim of ``region``."""
+    return math.prod(region.score_root.meta["val"].shape) * _logical_shape(region.q)[-1]
+
+
 def _masks_the_scores(where: torch.fx.Node, region: AttentionRegion) -> bool:
     """A -inf ``where`` that masks a logit (``block_sparsity.fills_a_score``) where a condition computed without the
     scores says so."""
     memo: dict = {}
     scores = region.score_root
     return fills_a_score(where, scores, frozenset(region.chain), memo) and not depends_on(where.args[0], scores, memo)
-
-
-def _python_wrapper_without_graphs() -> bool:
-    """The graph's code runs in Python, outside CUDA graphs: a branch on a host value is free there, while CUDA
-    graphs (``mode="reduce-overhead"``) would be given up for it and a C++ wrapper (AOTInductor) cannot call the
-    check."""
-    inductor = torch._inductor.config
-    return not (inductor.triton.cudagraphs or inductor.cpp_wrapper or V.aot_compilation)
 
 
 def _mask_check(wheres: list[torch.fx.Node]) -> Optional[tuple[list[torch.fx.Node], str]]:
@@ -105,10 +108,10 @@ def _mask_check(wheres: list[torch.fx.Node]) -> Optional[tuple[list[torch.fx.Nod
     inputs: list[torch.fx.Node] = []
 
     def copy(node: torch.fx.Node) -> torch.fx.Node:
-        for ancestor in _ancestors(node, _is_input):
+        for ancestor in ancestors(node, is_input):
             if ancestor in env:
                 continue
-            if _is_input(ancestor):
+            if is_input(ancestor):
                 if not isinstance(ancestor.meta.get("val"), torch.Tensor):
                     raise ValueError(f"{ancestor} is not a tensor")
                 env[ancestor] = graph.placeholder(f"input_{len(inputs)}")
@@ -139,84 +142,12 @@ def _mask_check(wheres: list[torch.fx.Node]) -> Optional[tuple[list[torch.fx.Nod
     return inputs, code.src
 
 
-def _ancestors(node: torch.fx.Node, stop) -> list[torch.fx.Node]:
-    """``node`` and every node it reads, inputs first; a node where ``stop`` holds is listed but not followed."""
-    order, seen, stack = [], set(), [(node, False)]
-    while stack:
-        current, expanded = stack.pop()
-        if expanded:
-            order.append(current)
-            continue
-        if current in seen:
-            continue
-        seen.add(current)
-        stack.append((current, True))
-        if not stop(current):
-            stack.extend((arg, False) for arg in reversed(current.all_input_nodes))
-    return order
-
-
-def _is_input(node: torch.fx.Node) -> bool:
-    return node.op in ("placeholder", "get_attr")
-
-
-def _branch_output(region: AttentionRegion) -> torch.fx.Node:
-    """The node the branches return: pv's view back to the scores' batch dims when that is its one user (SDPA's
-    output as it is), else pv."""
-    users = list(region.pv.users)
-    if len(users) == 1 and users[0].target in _RESHAPES and tuple(users[0].meta["val"].shape) == tuple(
-        region.score_root.meta["val"].shape[:-1]
-    ) + (region.pv.meta["val"].shape[-1],):
-        return users[0]
-    return region.pv
-
-
-def _branch(region: AttentionRegion, output: torch.fx.Node) -> tuple[torch.fx.GraphModule, list, torch.fx.Node]:
-    """A copy of the region's nodes from its operands to ``output`` as a graph of its own, the operands it reads
-    (q, k, v and the tensors the chain reads, as the graph computes them), and the copy of pv."""
-    boundary = {region.q.node, region.kt.node, region.v.node, *region.captured}
-    graph = torch.fx.Graph()
-    env: dict = {}
-    order = _ancestors(output, lambda node: node in boundary or _is_input(node))
-    operands = [node for node in order if node in boundary or _is_input(node)]
-    for operand in operands:
-        env[operand] = graph.placeholder(operand.name)
-        env[operand].meta = dict(operand.meta)
-    for node in order:
-        if node not in env:
-            env[node] = graph.node_copy(node, env.__getitem__)
-    graph.output((env[output],))
-    return torch.fx.GraphModule(torch.nn.Module(), graph), operands, env[region.pv]
-
-
 def _as_sdpa(pv: torch.fx.Node) -> bool:
     """Rewrite the attention ending at ``pv`` (a branch's copy of the region) into SDPA's causal call, derived from
     the copy itself."""
     copied = find_attention(pv)
     found = causal_mask_call(copied) if isinstance(copied, AttentionRegion) else None
     return found is not None and replace_by_sdpa(copied, found[0]) is not None
-
-
-def _finished(branch: torch.fx.GraphModule) -> torch.Tensor:
-    """Dead code out, code regenerated; the branch's output value."""
-    branch.graph.eliminate_dead_code()
-    branch.graph.lint()
-    branch.recompile()
-    return branch.graph.find_nodes(op="output")[0].args[0][0].meta["val"]
-
-
-def _check_node(graph: torch.fx.Graph, inputs: list[torch.fx.Node], source: str, rows: int, user: torch.fx.Node,
-                fake: torch.Tensor) -> torch.fx.Node:
-    """``known_causal(inputs, source, rows)`` before ``user``: the one an earlier region of the graph made for the
-    same mask, or a new one."""
-
-    def build() -> torch.fx.Node:
-        flag = graph.call_function(known_causal, (inputs, source, rows))
-        with torch._guards.detect_fake_mode([fake]) or contextlib.nullcontext():
-            flag.meta["val"] = torch.empty((), dtype=torch.bool, device="cpu")
-        return flag
-
-    return _shared_table(graph, ("known_causal", tuple(inputs), source, rows), build, user)
 
 
 def route_when_causal(region: AttentionRegion, wheres: list[torch.fx.Node], fuse_branch) -> Optional[torch.fx.Node]:
@@ -226,21 +157,14 @@ def route_when_causal(region: AttentionRegion, wheres: list[torch.fx.Node], fuse
     check = _mask_check(wheres)
     if check is None:
         return None
-    output = _branch_output(region)
-    sdpa_branch, operands, pv_copy = _branch(region, output)
-    fused_branch = _branch(region, output)[0]
-    if not _as_sdpa(pv_copy):
+    output = branch_output(region)
+    sdpa_branch, operands, copies = region_branch(region, output)
+    fused_branch = region_branch(region, output)[0]
+    if not _as_sdpa(copies[region.pv]):
         return None
     fuse_branch(fused_branch.graph)
-    result = _finished(sdpa_branch)
-    _finished(fused_branch)
-    graph = region.pv.graph
-    flag = _check_node(graph, *check, result.shape[-2], output, result)
-    with graph.inserting_before(output):
-        branches = (subgraph(graph, sdpa_branch, "causal_sdpa"), subgraph(graph, fused_branch, "causal_fused"))
-        cond = graph.call_function(torch.ops.higher_order.cond, (flag, *branches, tuple(operands)))
-        cond.meta["val"] = (result,)
-        routed = graph.call_function(operator.getitem, (cond, 0))
-        routed.meta["val"] = result
-    output.replace_all_uses_with(routed)
-    return routed
+    result = finished(sdpa_branch)
+    finished(fused_branch)
+    inputs, source = check
+    flag = shared_check(region.pv.graph, known_causal, (inputs, source, result.shape[-2]), output, result)
+    return branch_on(flag, {"causal_sdpa": sdpa_branch, "causal_fused": fused_branch}, operands, output, result)

@@ -1,0 +1,163 @@
+"""Attention over positions made outside the graph runs the kernel of the same attention written with ``arange``
+while those positions hold 0, 1, ..., the kernel that reads them otherwise (``fx_passes/arange_positions_route.py``,
+``mask_checks.known_arange``), on the CPU harness, every call compared with float64 eager."""
+
+import re
+
+import pytest
+import torch
+from torch.testing import FileCheck
+
+from benchmarks.variants import Shape, make_inputs
+from benchmarks.written_forms import MADE_ONCE, form_variant
+from flashlight import testing
+from inductor_overlay import config, mask_checks
+from inductor_overlay.fx_passes import arange_positions_route
+from test.test_attention_fusion import reference
+from test.test_causal_tensor_route import spy_on_checks
+
+counters = torch._dynamo.utils.counters
+SHAPE = Shape(1, 2, 96, 96, 16)
+FAMILIES = ["forms_causal", "forms_sliding_window", "forms_prefix_lm", "forms_softcap_window", "forms_alibi"]
+
+
+@pytest.fixture
+def answers(monkeypatch):
+    return spy_on_checks(monkeypatch, "is_known_arange", "_start_arange_check")
+
+
+def run_calls(fn, args, calls, before_call=lambda call: None, **overlay):
+    """Compile ``fn`` afresh and call it ``calls`` times, each result against float64 eager; the first call's code."""
+    torch._dynamo.reset()
+    compiled = torch.compile(fn)
+    first_code = None
+    with torch._inductor.utils.fresh_cache(), testing.cpu_triton(), config.patch(**overlay):
+        for call in range(calls):
+            before_call(call)
+            out, code = testing.run_keeping_graphs_and_get_code(compiled, *args)
+            first_code = first_code or code
+            testing.assert_close_to_reference(out, reference(fn, *args))
+    return first_code
+
+
+def fused_kernels(code) -> set[str]:
+    """The fused attention kernels' sources, their names left out."""
+    kernels = testing.triton_kernels(code)
+    return {re.sub(re.escape(name), "KERNEL", source) for name, source in kernels.items() if "tem_fused" in name}
+
+
+def the_form(family, form):
+    variant = form_variant(f"{family}:{form}")
+    q, k, v, extras = make_inputs(variant, SHAPE, dtype=torch.bfloat16)
+    return (lambda q, k, v: variant.reference(q, k, v, **extras)), (q, k, v)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("form", ["captured_positions", "registered_buffer"])
+def test_positions_that_hold_arange_run_the_in_function_kernel(family, form, answers):
+    """First call: the positions are new, read. Second: the check runs (at once on the CPU) and the branch built with
+    iota answers, from then on. That branch's fused kernel is the in-function form's, byte for byte (its masks
+    decided when compiling: tiles skipped and split by the formula, no position read)."""
+    fn, args = the_form(family, form)
+    code = run_calls(fn, args, 3)
+    text = "\n".join(code)
+    FileCheck().check("def arange_positions_0").check("def positions_read_0").check(
+        "torch.ops.flashlight.known_arange.default(").check(".item():").check("arange_positions_0").check(
+        "positions_read_0").run(text)
+    assert answers["answers"] == [False, True, True]
+    assert answers["checks"] == 1
+    assert counters["inductor"]["flashlight_attention_arange_route"] == 1
+    in_function, in_function_args = the_form(family, "in_function")
+    with testing.cpu_triton():
+        _, reference_code = testing.compile_and_get_code(in_function, *in_function_args)
+    if family != "forms_alibi":  # (the in-function ALiBi computes its slopes too, the others read them)
+        assert fused_kernels(reference_code) <= fused_kernels(code)
+    assert len(fused_kernels(code)) == 2
+
+
+def test_positions_changed_in_place_are_read_until_checked_again(answers):
+    """Captured positions reversed between calls 3 and 6, then made consecutive again: the calls after each write
+    read them (every result eager's), and the iota branch answers again only once a new check has passed."""
+    fn, args = the_form("forms_sliding_window", "captured_positions")
+    position = MADE_ONCE["forms_sliding_window"]["position"]
+
+    def before_call(call):
+        if call == 3:
+            position.copy_(position.flip(0))
+        if call == 6:
+            position.copy_(torch.arange(position.numel()))
+
+    run_calls(fn, args, 9, before_call)
+    assert answers["answers"] == [False, True, True, False, False, False, False, True, True]
+    assert answers["checks"] == 3
+
+
+@pytest.mark.parametrize("offset", [1, -96])
+def test_positions_that_do_not_start_at_zero_are_read(offset, answers):
+    """Consecutive positions from another start (the same masks, a different ALiBi origin) are not 0, 1, ...:
+    checked once, read on every call."""
+    fn, args = the_form("forms_softcap_window", "captured_positions")
+    MADE_ONCE["forms_softcap_window"]["position"].add_(offset)
+    run_calls(fn, args, 3)
+    assert answers["answers"] == [False, False, False]
+    assert answers["checks"] == 1
+
+
+DOCUMENT = torch.arange(SHAPE.M) // 24  # 1-D ids made once, compared only for equality
+
+
+def captured_document_ids(q, k, v):
+    scores = q @ k.transpose(-2, -1) * 0.25
+    return torch.softmax(scores.masked_fill(DOCUMENT[:, None] != DOCUMENT[None, :], float("-inf")), dim=-1) @ v
+
+
+@pytest.mark.parametrize("case", ["switch_off", "training", "document_ids", "in_function", "per_call"])
+def test_no_route_where_it_does_not_apply(case, answers):
+    """The switch off, a graph that trains, 1-D integers compared only for equality (document ids), positions built
+    in the graph, or positions made anew for every call (checked never)."""
+    form = "in_function" if case == "in_function" else "captured_positions"
+    fn, args = the_form("forms_sliding_window", form)
+    if case == "document_ids":
+        fn = captured_document_ids
+    if case == "training":
+        for operand in args:
+            operand.requires_grad_()
+    if case == "per_call":
+        made = MADE_ONCE["forms_sliding_window"]
+        run_calls(fn, args, 3, lambda call: made.update(position=torch.arange(SHAPE.M)))
+        assert answers["answers"] == [False] * 3 and answers["checks"] == 0
+        return
+    code = run_calls(fn, args, 2, arange_positions_route=case != "switch_off")
+    FileCheck().check_not("known_arange").run("\n".join(code))
+    fused = "flashlight_attention_fused_for_training" if case == "training" else "flashlight_attention_fused"
+    assert counters["inductor"][fused] == 1
+    assert counters["inductor"]["flashlight_attention_arange_route"] == 0
+    assert answers["answers"] == []
+
+
+@pytest.mark.parametrize("small", [False, True])
+def test_a_causal_mask_over_positions_runs_as_sdpa_once_checked(small, monkeypatch):
+    """With SDPA taking causal attention on the CPU, the iota branch of captured causal positions is SDPA's causal
+    call, as the in-function form's graph is; below the least work for SDPA under a check (``MIN_WORK``) there is no
+    route, and the fused kernel reads the positions."""
+    if not small:
+        monkeypatch.setattr(arange_positions_route, "MIN_WORK", 0)
+    fn, args = the_form("forms_causal", "registered_buffer")
+    code = "\n".join(run_calls(fn, args, 3, sdpa_pattern_policy="unmasked_sdpa", sdpa_route_devices=("cpu",)))
+    if small:
+        FileCheck().check_not("known_arange").check("triton_tem_fused").run(code)
+        assert counters["inductor"]["flashlight_attention_arange_route"] == 0
+    else:
+        FileCheck().check("def arange_positions_0").check("_scaled_dot_product_flash_attention_for_cpu").check(
+            "True, scale=").check("def positions_read_0").check("triton_tem_fused").run(code)
+    assert counters["inductor"]["flashlight_attention_causal_route"] == 0
+
+
+def test_the_check_compares_every_tensor():
+    """``known_arange`` holds only when every tensor holds 0, 1, ..., len − 1."""
+    mask_checks._SIGHTINGS.clear()
+    rows, columns = torch.arange(12), torch.arange(20)
+    assert [mask_checks.is_known_arange([rows, columns]) for _ in range(3)] == [False, True, True]
+    other = torch.arange(20)
+    other[19] = 18
+    assert [mask_checks.is_known_arange([rows, other]) for _ in range(3)] == [False, False, False]
