@@ -1300,3 +1300,30 @@ def test_weights_without_a_softmax_over_few_column_tiles_decline_on_a_gpu(monkey
     assert attention_training._too_few_column_programs(region((16384, 16384))) is None
     assert attention_training._too_few_column_programs(region((4, 32, 4096, 4096))) is None
     assert attention_training._too_few_column_programs(region((16384, 128), softmax=True)) is None
+
+
+def _causal_with_bias(q, k, v, bias):
+    n = torch.arange(q.shape[-2])
+    scores = (q @ k.transpose(-2, -1) * 0.25 + bias).masked_fill(n[None, :] > n[:, None], float("-inf"))
+    return torch.softmax(scores, dim=-1) @ v
+
+
+@pytest.mark.parametrize("trained", ["q", "k", "v", "q,k", "k,v", "bias", "q,bias"])
+def test_attention_with_frozen_operands_trains_fused(trained):
+    """Some of q, k, v and a bias require grad, the others not (k and v of a frozen memory, q alone trained, a bias
+    alone): the views of a frozen operand make no autograd node and carry the number of one of the attention's own
+    ops; the attention still trains fused, and every gradient that exists is eager's."""
+    names = ("q", "k", "v", "bias")
+    q, k, v = (torch.randn(1, 2, 64, 16, generator=torch.Generator().manual_seed(i)) for i in range(3))
+    operands = [q, k, v, torch.randn(2, 1, 64, generator=torch.Generator().manual_seed(3))]  # a key bias per head
+    wanted = [name in trained.split(",") for name in names]
+    operands = [t.requires_grad_(flag) for t, flag in zip(operands, wanted)]
+    out, grads, grad, code = train_on_cpu(_causal_with_bias, operands, {})
+    leaves = [float64(t).requires_grad_(flag) for t, flag in zip(operands, wanted)]
+    _causal_with_bias(*leaves).backward(grad.double())
+    testing.assert_close_to_reference(out, _causal_with_bias(*[leaf.detach() for leaf in leaves]))
+    for actual, leaf, flag in zip(grads, leaves, wanted):
+        assert (actual is None) == (not flag)
+        if flag:
+            testing.assert_close_to_reference(actual, leaf.grad)
+    assert_fused_training(code, 2 * 64 * 64)

@@ -18,6 +18,10 @@ own:
    for an input's gradient. (A gradient accumulated from several uses goes through an ``add`` that carries no
    forward op's seq_nr, so it matches no operand: such a region declines.)
 
+An operand of the matmuls whose own op carries one of the region's numbers declines (it is computed by the
+attention's own ops), unless no gradient flows to it (``_without_gradient``): an op that makes no autograd node (the
+view of a frozen k or v) carries the number of the op recorded before it, which may be the attention's.
+
 The region then becomes ``online_softmax_attention_with_lse`` (the forward, which also saves the rows'
 log-sum-exp) and R_bwd ``online_softmax_attention_backward``; the chain's derivative is the joint graph of the
 chain itself (``chain_vjp_module``), traced by autograd as the user's program was; the gradient of a tensor the
@@ -52,6 +56,7 @@ from inductor_overlay.fx_passes.attention_region import (
     find_attention,
     is_softmax_output,
 )
+from inductor_overlay.fx_passes.block_sparsity import depends_on
 from inductor_overlay.fx_passes.block_sparsity import is_op as _is
 from inductor_overlay.fx_passes.captured_gradients import FULL, gradient_of_read, gradient_read, read_vjp_module
 from inductor_overlay.fx_passes.chain_modules import _score_chain_module, traced_joint
@@ -143,6 +148,17 @@ def _differentiable(region: AttentionRegion) -> list[Optional[torch.fx.Node]]:
 
 def _sink_index(region: AttentionRegion) -> int:
     return 3 + len(region.captured)
+
+
+def _without_gradient(operand: torch.fx.Node, scores: torch.fx.Node) -> bool:
+    """Whether no gradient flows to ``operand`` (computed from no primal input whose gradient the joint graph
+    returns, and not from the scores): its op made no autograd node, and carries the number of the op autograd
+    recorded before it, which may be one of the attention's own (k and v of a frozen memory, q alone trained)."""
+    graph = operand.graph
+    output = graph.find_nodes(op="output")[0].args[0]
+    primals = [n for n in graph.find_nodes(op="placeholder") if n.name.startswith("primals")]
+    trained = [p for p, grad in zip(primals, output[len(output) - len(primals):]) if grad is not None]
+    return not any(depends_on(operand, source, {}) for source in [scores, *trained])
 
 
 def _gradient_slot(operand: torch.fx.Node, output: torch.fx.Node) -> Optional[int]:
@@ -261,7 +277,9 @@ def _match_backward(region: AttentionRegion, with_chain: bool) -> Union[Decline,
     sequence = {_seq(node) for node in forward} - {None}
     operands = _operands(region)
     differentiable = _differentiable(region)
-    if any(_seq(operand) in sequence for operand in operands) or len(set(operands)) < 3:
+    if len(set(operands)) < 3 or any(
+        _seq(operand) in sequence and not _without_gradient(operand, region.qk) for operand in operands
+    ):
         return Decline("an operand of the matmuls comes from the attention's own ops")
     graph = region.pv.graph
     own = _convex({n for n in graph.nodes if n.op == "call_function" and is_backward(n) and _seq(n) in sequence})
