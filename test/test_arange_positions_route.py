@@ -23,6 +23,7 @@ FAMILIES = ["forms_causal", "forms_sliding_window", "forms_prefix_lm", "forms_so
 
 @pytest.fixture
 def answers(monkeypatch):
+    mask_checks._SIGHTINGS.clear()  # (tensors made once at import are seen by several tests)
     return spy_on_checks(monkeypatch, "is_known_arange", "_start_arange_check")
 
 
@@ -161,3 +162,72 @@ def test_the_check_compares_every_tensor():
     other = torch.arange(20)
     other[19] = 18
     assert [mask_checks.is_known_arange([rows, other]) for _ in range(3)] == [False, False, False]
+
+
+POSITION = torch.arange(200, dtype=torch.int32)  # made once; rows and columns read slices of it
+
+
+def window_over_slices(q, k, v):
+    """Rows at positions 32..127, columns at 0..127 (int32): a causal window of 40 over the slices."""
+    rows, columns = POSITION[32:128, None], POSITION[None, -200:128]
+    scores = q @ k.transpose(-2, -1) * 0.25
+    keep = (columns <= rows) & (rows - columns < 40)
+    return torch.softmax(scores.masked_fill(~keep, float("-inf")), dim=-1) @ v
+
+
+def two_layers_one_position(q, k, v):
+    first = window_over_slices(q, k, v)
+    return window_over_slices(first, k, v)
+
+
+@pytest.mark.parametrize("fn", [window_over_slices, two_layers_one_position])
+def test_slices_of_int32_positions_and_two_attentions_share_one_check(fn, answers):
+    """Slices of a captured int32 vector from a non-zero start (96 rows, 128 columns) become iotas of their ranges;
+    two attentions over the same positions share one check."""
+    q = torch.randn(1, 2, 96, 16, dtype=torch.bfloat16)
+    k, v = (torch.randn(1, 2, 128, 16, dtype=torch.bfloat16) for _ in range(2))
+    text = "\n".join(run_calls(fn, (q, k, v), 3))
+    assert text.count("torch.ops.flashlight.known_arange.default(") == 1
+    assert answers["answers"] == [False, True, True] and answers["checks"] == 1
+    assert counters["inductor"]["flashlight_attention_arange_route"] == (2 if fn is two_layers_one_position else 1)
+
+
+def test_positions_that_are_not_arange_keep_the_causal_route(monkeypatch):
+    """Captured causal positions from 5 on are not 0, 1, ... but their mask is causal: where SDPA takes causal
+    attention, the branch that reads them runs the causal route (SDPA's kernel once the mask is checked causal)."""
+    from inductor_overlay.fx_passes import causal_tensor_route
+
+    monkeypatch.setattr(causal_tensor_route, "MIN_WORK", 0)
+    monkeypatch.setattr(arange_positions_route, "MIN_WORK", 0)
+    mask_checks._SIGHTINGS.clear()
+    seen = spy_on_checks(monkeypatch, "is_known_causal", "_start_check")
+    fn, args = the_form("forms_causal", "captured_positions")
+    MADE_ONCE["forms_causal"]["position"].add_(5)
+    code = "\n".join(run_calls(fn, args, 3, sdpa_pattern_policy="unmasked_sdpa", sdpa_route_devices=("cpu",)))
+    FileCheck().check("def positions_read_0").check("flashlight.known_causal.default(").run(code)
+    assert "def arange_positions_0" in code
+    assert counters["inductor"]["flashlight_attention_arange_route"] == 1
+    assert counters["inductor"]["flashlight_attention_causal_route"] == 1
+    assert seen["answers"] == [False, True, True]
+
+
+def test_a_route_that_fails_leaves_the_attention_fused(monkeypatch, caplog):
+    """An error inside the route (here in the iota branch's rewrite): that attention is fused without the route, with
+    the reason in the log, and the graph's other attention keeps its own fusion."""
+    import logging
+
+    def broken(placeholder):
+        raise RuntimeError("injected")
+
+    monkeypatch.setattr(arange_positions_route, "_as_iota", broken)
+    fn, args = the_form("forms_sliding_window", "captured_positions")
+
+    def two(q, k, v):
+        return fn(q, k, v) + torch.softmax(q @ k.transpose(-2, -1), dim=-1) @ v
+
+    with caplog.at_level(logging.WARNING, logger="flashlight"):
+        code = run_calls(two, args, 2)
+    assert "route_when_arange failed (RuntimeError: injected); fused without it" in caplog.text
+    assert counters["inductor"]["flashlight_route_fault"] == 1
+    assert counters["inductor"]["flashlight_fault_fallback"] == 0
+    assert len(fused_kernels(code)) == 2

@@ -15,9 +15,7 @@ from test.test_attention_fusion import reference
 from test.test_block_sparsity import causal_bias_read_by_a_mask, causal_factor
 
 counters = torch._dynamo.utils.counters
-# (Positions that hold 0, 1, ... take the arange route first, ``test_arange_positions_route.py``: off here, so that
-# the causal route meets every form.)
-ROUTE = dict(sdpa_pattern_policy="unmasked_sdpa", sdpa_route_devices=("cpu",), arange_positions_route=False)
+ROUTE = dict(sdpa_pattern_policy="unmasked_sdpa", sdpa_route_devices=("cpu",))
 SHAPE = Shape(1, 2, 96, 96, 16)
 
 

@@ -37,6 +37,7 @@ from inductor_overlay.fx_passes.checked_branches import (
     region_branch,
     shared_check,
 )
+from inductor_overlay.fx_passes.fx_helpers import call_op
 from inductor_overlay.fx_passes.sdpa_route import sdpa_call
 from inductor_overlay.mask_checks import known_arange
 
@@ -80,19 +81,16 @@ def _as_iota(placeholder: torch.fx.Node) -> None:
     value = placeholder.meta["val"]
     graph = placeholder.graph
     kwargs = dict(start=0, step=1, dtype=value.dtype, device=value.device, requires_grad=False)
-    with graph.inserting_after(placeholder):
-        iota = graph.call_function(prims.iota.default, (value.shape[0],), kwargs)
-    iota.meta = {"val": value}
+    with graph.inserting_after(placeholder), torch._guards.detect_fake_mode([value]) or contextlib.nullcontext():
+        iota = call_op(graph, prims.iota.default, (value.shape[0],), kwargs)
     placeholder.replace_all_uses_with(iota, delete_user_cb=lambda user: user is not iota)
     for user in list(iota.users):
         span = _slice_range(user, value.shape[0])
         if span is None:
             continue
         start, end = span
-        with graph.inserting_before(user):
-            sliced = graph.call_function(prims.iota.default, (end - start,), dict(kwargs, start=start))
-        with torch._guards.detect_fake_mode([value]) or contextlib.nullcontext():
-            sliced.meta = {"val": torch.empty(end - start, dtype=value.dtype, device=value.device)}
+        with graph.inserting_before(user), torch._guards.detect_fake_mode([value]) or contextlib.nullcontext():
+            sliced = call_op(graph, prims.iota.default, (end - start,), dict(kwargs, start=start))
         user.replace_all_uses_with(sliced)
         graph.erase_node(user)
 
@@ -101,8 +99,9 @@ def _slice_range(node: torch.fx.Node, length: int) -> Optional[tuple[int, int]]:
     """[start, end) of ``node`` when it is a step-1 slice of its input along dim 0 with static bounds."""
     if node.target is not aten.slice.Tensor:
         return None
-    defaults = (None, 0, None, None, 1)  # slice(self, dim=0, start=None, end=None, step=1)
-    _, dim, start, end, step = (*node.args, *defaults[len(node.args) :])
+    arguments = dict(dim=0, start=None, end=None, step=1)  # slice(self, dim=0, start=None, end=None, step=1)
+    arguments.update(zip(arguments, node.args[1:]), **node.kwargs)
+    dim, start, end, step = arguments.values()
     if dim not in (0, -1) or step != 1 or not all(isinstance(b, (int, type(None))) for b in (start, end)):
         return None
     start, end = slice(start, sys.maxsize if end is None else end).indices(length)[:2]
@@ -114,13 +113,15 @@ def _runs_as_sdpa(pv: torch.fx.Node) -> bool:
     return isinstance(found, AttentionRegion) and sdpa_call(found) is not None
 
 
-def route_when_arange(region: AttentionRegion, positions: list[torch.fx.Node], fuse_branch) -> Optional[torch.fx.Node]:
-    """Replace the region by a ``cond`` between its copy with ``positions`` built by iota and its copy reading them,
-    each fused by ``fuse_branch``, on ``known_arange(positions)``; return the node standing for the branches'
-    output."""
+def route_when_arange(
+    region: AttentionRegion, positions: list[torch.fx.Node], fuse_read_branch, fuse_branch
+) -> Optional[torch.fx.Node]:
+    """Replace the region by a ``cond`` between its copy with ``positions`` built by iota (fused by ``fuse_branch``)
+    and its copy reading them (by ``fuse_read_branch``), on ``known_arange(positions)``; return the node standing for
+    the branches' output."""
     output = branch_output(region)
     iota_branch, operands, copies = region_branch(region, output)
-    read_branch = region_branch(region, output)[0]
+    read_branch, _, read_copies = region_branch(region, output)
     for node in positions:
         _as_iota(copies[node])
     # Where the branch built with iota runs SDPA's kernel (a causal mask), the causal route's least work: below it the
@@ -129,7 +130,9 @@ def route_when_arange(region: AttentionRegion, positions: list[torch.fx.Node], f
     if attention_work(region) < MIN_WORK and _runs_as_sdpa(copies[region.pv]):
         return None
     fuse_branch(iota_branch.graph)
-    fuse_branch(read_branch.graph)
+    fuse_read_branch(read_branch.graph)
+    if not all(getattr(branch_copies[region.pv], "_erased", False) for branch_copies in (copies, read_copies)):
+        return None  # a branch did not fuse (its matmuls are still there): it would be the unfused attention
     result = finished(iota_branch)
     finished(read_branch)
     flag = shared_check(region.pv.graph, known_arange, (positions,), output, result)

@@ -443,10 +443,31 @@ def _as_matmul_output(graph: torch.fx.Graph, fused: torch.fx.Node, rank: int, ou
 
 
 def _fuse_branch(graph: torch.fx.Graph) -> None:
-    fuse_attention(graph, routes=False)
+    fuse_attention(graph, routes=())
 
 
-def fuse_attention(graph: torch.fx.Graph, routes: bool = True) -> None:
+def _fuse_with_causal_route(graph: torch.fx.Graph) -> None:
+    """The branch that reads positions which do not hold 0, 1, ...: their mask may still be causal (positions from
+    another start)."""
+    fuse_attention(graph, routes=("causal",))
+
+
+def _routed(route, region: AttentionRegion, *args) -> bool:
+    """Whether ``route`` replaced ``region`` (by a ``cond`` between two copies of it, fused by the functions among
+    ``args``). A route that fails leaves the graph as it was (it changes it only once both branches are built): the
+    region is then fused without it, with the reason in the log, and the graph's other attention keeps its fusion."""
+    try:
+        return route(region, *args) is not None
+    except Exception as error:  # noqa: BLE001  (fault containment: the plain fused kernel stays)
+        if not config.fault_containment:
+            raise
+        counters["inductor"]["flashlight_route_fault"] += 1
+        log.warning("attention at %s: %s failed (%s: %s); fused without it", region.pv.name, route.__name__,
+                    type(error).__name__, error)
+        return False
+
+
+def fuse_attention(graph: torch.fx.Graph, routes: tuple = ("arange", "causal")) -> None:
     """Post-grad pass: every fusable softmax→matmul becomes one fused attention node (or SDPA's, ``sdpa_route``;
     with ``routes``, two of them under a ``cond`` on a check of tensors made outside the graph: the positions the
     chain reads, ``arange_positions_route``, or its masks' tensors, ``causal_tensor_route``)."""
@@ -468,14 +489,14 @@ def fuse_attention(graph: torch.fx.Graph, routes: bool = True) -> None:
             counters["inductor"]["flashlight_attention_as_sdpa"] += 1
             log.info("attention at %s runs as SDPA (%s)", pv.name, call)
             continue
-        positions = arange_positions(outcome) if routes else []
-        if positions and route_when_arange(outcome, positions, _fuse_branch) is not None:
+        positions = arange_positions(outcome) if "arange" in routes else []
+        if positions and _routed(route_when_arange, outcome, positions, _fuse_with_causal_route, _fuse_branch):
             counters["inductor"]["flashlight_attention_arange_route"] += 1
             log.info("attention at %s runs as if the positions its chain reads were built with arange while they "
-                     "hold 0, 1, ..., fused reading them otherwise", pv.name)
+                     "hold 0, 1, ..., reading them otherwise", pv.name)
             continue
-        causal = causal_mask_call(outcome) if routes else None
-        if causal is not None and route_when_causal(outcome, causal[1], _fuse_branch) is not None:
+        causal = causal_mask_call(outcome) if "causal" in routes else None
+        if causal is not None and _routed(route_when_causal, outcome, causal[1], _fuse_branch):
             counters["inductor"]["flashlight_attention_causal_route"] += 1
             log.info("attention at %s runs as SDPA's causal attention while the tensors its masks read hold the "
                      "causal mask, else fused", pv.name)
