@@ -405,13 +405,19 @@ def check(p: Program, device: str = "cpu", training: bool = False, dynamic: bool
     counters = torch._dynamo.utils.counters
     counters.clear()
     torch._dynamo.reset()
+    # In inference, positions read from tensors are called three times with the same tensors: the first call reads
+    # them, the second starts the arange route's check, the third runs the branch the check chose (at once on the CPU).
+    calls = 1 if training or p.read_positions == "none" else 3
+    outs = []
     if device == "cpu":
         with testing.cpu_triton(), fresh_cache():
-            out = _run(torch.compile(program, dynamic=dynamic or None), leaves(), tensors(), grad)
+            compiled, inputs = torch.compile(program, dynamic=dynamic or None), (leaves(), tensors())
+            outs = [_run(compiled, *inputs, grad) for _ in range(calls)]
     else:
         with fresh_cache():
-            out = _run(torch.compile(program, dynamic=dynamic or None), leaves(to=device), tensors(to=device), None if grad is None else grad.to(device))
-        out = tuple(t.cpu() for t in out)
+            compiled, inputs = torch.compile(program, dynamic=dynamic or None), (leaves(to=device), tensors(to=device))
+            outs = [tuple(t.cpu() for t in _run(compiled, *inputs, None if grad is None else grad.to(device)))
+                    for _ in range(calls)]
     expected = _run(program, leaves(torch.float64), tensors(torch.float64), grad)
     eager = _run(program, leaves(), tensors(), grad)
     rtol, atol = TOLERANCE[p.dtype]
@@ -419,7 +425,7 @@ def check(p: Program, device: str = "cpu", training: bool = False, dynamic: bool
     fused = counters["inductor"][fused_counter] >= 1
     faulted = counters["inductor"]["flashlight_fault_fallback"] + counters["inductor"]["flashlight_training_fault"] > 0
     matches, details = not faulted, []
-    for actual, reference, own in zip(out, expected, eager, strict=True):
+    for actual, reference, own in (pair for out in outs for pair in zip(out, expected, eager, strict=True)):
         # Half-precision eager itself rounds; the bar is the float64 reference with eager's own error as slack. So
         # it is for gradients (and outputs) in training at any precision: they sum over a whole row or column.
         # A float32 program with no normalisation sums products of any size too: eager's own error there (2.9e-5 on
@@ -433,7 +439,8 @@ def check(p: Program, device: str = "cpu", training: bool = False, dynamic: bool
         verdict = "" if same_nans and close else " NaNs differ" if not same_nans else " NOT CLOSE"
         details.append(f"max error {(actual.double() - reference).abs().nan_to_num(0).max().item():.2e} (slack {slack:.1e}){verdict}")
     as_sdpa = " (as SDPA)" if counters["inductor"]["flashlight_attention_as_sdpa"] else ""
-    return matches, fused, "; ".join(details) + as_sdpa + (" OVERLAY FAULT (fell back)" if faulted else "")
+    routed = " (arange route)" if counters["inductor"]["flashlight_attention_arange_route"] else ""
+    return matches, fused, "; ".join(details) + as_sdpa + routed + (" OVERLAY FAULT (fell back)" if faulted else "")
 
 
 def main() -> int:

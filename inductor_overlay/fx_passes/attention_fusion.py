@@ -454,8 +454,9 @@ def _fuse_with_causal_route(graph: torch.fx.Graph) -> None:
 
 def _routed(route, region: AttentionRegion, *args) -> bool:
     """Whether ``route`` replaced ``region`` (by a ``cond`` between two copies of it, fused by the functions among
-    ``args``). A route that fails leaves the graph as it was (it changes it only once both branches are built): the
-    region is then fused without it, with the reason in the log, and the graph's other attention keeps its fusion."""
+    ``args``). A route works on copies until both branches are built, then adds its check and ``cond``: one that
+    fails leaves at most unused nodes behind (removed with the pass's dead code). The region is then fused without
+    it, with the reason in the log, and the graph's other attention keeps its fusion."""
     try:
         return route(region, *args) is not None
     except Exception as error:  # noqa: BLE001  (fault containment: the plain fused kernel stays)

@@ -56,7 +56,6 @@ from inductor_overlay.fx_passes.attention_region import (
     find_attention,
     is_softmax_output,
 )
-from inductor_overlay.fx_passes.block_sparsity import depends_on
 from inductor_overlay.fx_passes.block_sparsity import is_op as _is
 from inductor_overlay.fx_passes.captured_gradients import FULL, gradient_of_read, gradient_read, read_vjp_module
 from inductor_overlay.fx_passes.chain_modules import _score_chain_module, traced_joint
@@ -157,8 +156,9 @@ def _without_gradient(operand: torch.fx.Node, scores: torch.fx.Node) -> bool:
     graph = operand.graph
     output = graph.find_nodes(op="output")[0].args[0]
     primals = [n for n in graph.find_nodes(op="placeholder") if n.name.startswith("primals")]
-    trained = [p for p, grad in zip(primals, output[len(output) - len(primals):]) if grad is not None]
-    return not any(depends_on(operand, source, {}) for source in [scores, *trained])
+    trained = {p for p, grad in zip(primals, output[len(output) - len(primals):]) if grad is not None}
+    sources = _reached({operand}, lambda node: node.all_input_nodes) | {operand}  # one walk of its inputs
+    return not (sources & (trained | {scores}))
 
 
 def _gradient_slot(operand: torch.fx.Node, output: torch.fx.Node) -> Optional[int]:

@@ -159,10 +159,12 @@ def route_when_causal(region: AttentionRegion, wheres: list[torch.fx.Node], fuse
         return None
     output = branch_output(region)
     sdpa_branch, operands, copies = region_branch(region, output)
-    fused_branch = region_branch(region, output)[0]
+    fused_branch, _, fused_copies = region_branch(region, output)
     if not _as_sdpa(copies[region.pv]):
         return None
     fuse_branch(fused_branch.graph)
+    if not getattr(fused_copies[region.pv], "_erased", False):
+        return None  # the branch did not fuse (its matmuls are still there): it would be the unfused attention
     result = finished(sdpa_branch)
     finished(fused_branch)
     inputs, source = check
