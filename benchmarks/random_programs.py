@@ -41,6 +41,8 @@ READ_POSITIONS = ["none"] * 3 + ["consecutive", "offset", "gapped"]
 # The rows of a boolean mask tensor passed in: random keys, or each row one interval of keys (a window, a prefix, a
 # random interval, some rows none), or such intervals with one key kept outside one row's interval.
 KEEP_ROWS = ["random"] * 2 + ["intervals", "intervals_stray"]
+# In training, which of q, k, v are frozen (require no grad): none, or some (a frozen memory, q alone trained).
+FROZEN = ["none"] * 4 + ["q", "k", "v", "kv", "qk"]
 
 
 @dataclasses.dataclass
@@ -69,6 +71,7 @@ class Program:
     scale_v: bool = False  # V scaled by a constant before the output matmul
     read_positions: str = "none"  # one of READ_POSITIONS
     keep_rows: str = "random"  # one of KEEP_ROWS
+    frozen: str = "none"  # one of FROZEN: the operands that require no grad in training
 
     @property
     def kv_heads(self) -> int:
@@ -81,7 +84,8 @@ class Program:
                 f"points={self.points} pair={self.pair_channels} finite_fill={int(self.finite_fill)} positions={self.positions}"
                 f"{'' if self.combined == 'none' else ' combined=' + self.combined}{' scale_v=1' if self.scale_v else ''}"
                 f"{'' if self.read_positions == 'none' else ' read_positions=' + self.read_positions}"
-                f"{' keep_rows=' + self.keep_rows if self.mask == 'bool_tensor' and self.keep_rows != 'random' else ''}")
+                f"{' keep_rows=' + self.keep_rows if self.mask == 'bool_tensor' and self.keep_rows != 'random' else ''}"
+                f"{'' if self.frozen == 'none' else ' frozen=' + self.frozen}")
 
 
 def draw(seed: int, positions: str | None = None, **fixed: object) -> Program:
@@ -132,6 +136,7 @@ def draw(seed: int, positions: str | None = None, **fixed: object) -> Program:
     if program.combined == "gathered_plus_mask" and program.read_positions == "gapped":
         program.read_positions = "offset"  # it gathers a table at n - m, whose range gaps would leave
     program.keep_rows = random.Random(f"keep_rows:{seed}").choice(KEEP_ROWS)
+    program.frozen = random.Random(f"frozen:{seed}").choice(FROZEN)
     for name, value in fixed.items():
         assert hasattr(program, name), name
         setattr(program, name, value)
@@ -364,7 +369,7 @@ def _run(program: Callable, args: list, extras: dict, grad: Optional[torch.Tenso
         return outs
     outs[0].backward(grad.to(outs[0].dtype))
     learned = [t for _, t in sorted(extras.items()) if t.requires_grad]
-    return (*(o.detach() for o in outs), *(a.grad for a in args), *(_grad_or_zeros(t) for t in learned))
+    return (*(o.detach() for o in outs), *(_grad_or_zeros(a) for a in args), *(_grad_or_zeros(t) for t in learned))
 
 
 def _grad_or_zeros(tensor: torch.Tensor) -> torch.Tensor:
@@ -390,7 +395,10 @@ def check(p: Program, device: str = "cpu", training: bool = False, dynamic: bool
 
     def leaves(dtype=None, to=None):
         made = [a.detach().to(dtype or a.dtype).to(to or a.device) for a in args]
-        return [a.requires_grad_() for a in made] if training else made
+        if not training:
+            return made
+        return [a.requires_grad_(name not in p.frozen) for name, a in zip("qkv", made)] + [
+            a.requires_grad_() for a in made[3:]]
 
     def tensors(dtype=None, to=None):
         """The tensors the program reads; in training the floating ones require grad."""
