@@ -50,7 +50,8 @@ class _Sighting:
     holds: Optional[bool] = None
 
 
-# (property, its arguments, ids of the tensors) -> what the ops know; an entry leaves with the first of its tensors to die.
+# (property, its arguments, ids of the tensors) -> what the ops know; an entry leaves with the first of its tensors
+# to die.
 _SIGHTINGS: dict[tuple, _Sighting] = {}
 
 # What a check's source may name besides its arguments (FX writes these for devices, dtypes and infinities).

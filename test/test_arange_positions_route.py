@@ -231,3 +231,4 @@ def test_a_route_that_fails_leaves_the_attention_fused(monkeypatch, caplog):
     assert counters["inductor"]["flashlight_route_fault"] == 1
     assert counters["inductor"]["flashlight_fault_fallback"] == 0
     assert len(fused_kernels(code)) == 2
+

@@ -19,11 +19,16 @@ REGRESSIONS = {
     100075: ({"positions": "one_arange", **BEFORE_COMBINED},
              "a window built from one arange read as |n - n|: its mask dropped from every tile (the code before ad41820)"),
     100007: ({"scale_v": True, "read_positions": "none", "keep_rows": "random"}, "a constant factor on V was taken off V and applied nowhere (output off by that factor)"),
+    660119: ({"frozen": "none"}, "a routed attention's k computed in a transposed order (scaled): laid out by Inductor in "
+                                 "another, the branches' input check raised"),
+    660178: ({"frozen": "none"}, "the same, in bf16 under the arange route's iota branch"),
+    660285: ({"frozen": "none"}, "the same for q scaled in the [B, S, H, D] layout"),
 }
 # The same for programs drawn in training (q, k, v require grad; gradients checked).
 TRAINING_REGRESSIONS = {
-    270163: ({"keep_rows": "random", "frozen": "none"}, "the joint graph reached the training pass out of topological order (an upstream replacement is "
-                 "sorted only after the custom pass): the fault wrapper's copy of it raised and the compile failed"),
+    270163: ({"keep_rows": "random", "frozen": "none"},
+             "the joint graph reached the training pass out of topological order (an upstream replacement is "
+             "sorted only after the custom pass): the fault wrapper's copy of it raised and the compile failed"),
 }
 # The same, compiled with every size symbolic (``torch.compile(dynamic=True)``; ``random_programs --dynamic``):
 # seed -> (training, what it found).

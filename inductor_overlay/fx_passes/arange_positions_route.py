@@ -120,8 +120,10 @@ def route_when_arange(
     and its copy reading them (by ``fuse_read_branch``), on ``known_arange(positions)``; return the node standing for
     the branches' output."""
     output = branch_output(region)
-    iota_branch, operands, copies = region_branch(region, output)
-    read_branch, _, read_copies = region_branch(region, output)
+    first, second = region_branch(region, output), region_branch(region, output)
+    if first is None or second is None:
+        return None
+    (iota_branch, operands, copies), (read_branch, _, read_copies) = first, second
     for node in positions:
         _as_iota(copies[node])
     # Where the branch built with iota runs SDPA's kernel (a causal mask), the causal route's least work: below it the

@@ -158,8 +158,10 @@ def route_when_causal(region: AttentionRegion, wheres: list[torch.fx.Node], fuse
     if check is None:
         return None
     output = branch_output(region)
-    sdpa_branch, operands, copies = region_branch(region, output)
-    fused_branch, _, fused_copies = region_branch(region, output)
+    first, second = region_branch(region, output), region_branch(region, output)
+    if first is None or second is None:
+        return None
+    (sdpa_branch, operands, copies), (fused_branch, _, fused_copies) = first, second
     if not _as_sdpa(copies[region.pv]):
         return None
     fuse_branch(fused_branch.graph)

@@ -12,14 +12,17 @@ from __future__ import annotations
 
 import contextlib
 import operator
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 from torch._inductor.virtualized import V
+from torch._prims_common import is_non_overlapping_and_dense_or_false
 
 from inductor_overlay.fx_passes.attention_region import AttentionRegion
-from inductor_overlay.fx_passes.fx_helpers import _RESHAPES, subgraph
+from inductor_overlay.fx_passes.fx_helpers import _RESHAPES, _VIEWS, subgraph
 from inductor_overlay.fx_passes.mask_tables import _shared_table
+
+aten = torch.ops.aten
 
 
 def python_wrapper_without_graphs() -> bool:
@@ -62,11 +65,14 @@ def branch_output(region: AttentionRegion) -> torch.fx.Node:
     return region.pv
 
 
-def region_branch(region: AttentionRegion, output: torch.fx.Node) -> tuple[torch.fx.GraphModule, list, dict]:
+def region_branch(region: AttentionRegion, output: torch.fx.Node) -> Optional[tuple[torch.fx.GraphModule, list, dict]]:
     """A copy of the region's nodes from its operands to ``output`` as a graph of its own, the operands it reads
-    (q, k, v and the tensors the chain reads, as the graph computes them), and the map from the region's nodes to
-    their copies."""
-    boundary = {region.q.node, region.kt.node, region.v.node, *region.captured}
+    (q, k, v and the tensors the chain reads as the graph computes them, or the dense tensors they view:
+    ``_exact_operand``), and the map from the region's nodes to their copies; None where an operand has no such
+    form."""
+    boundary = {_exact_operand(node) for node in (region.q.node, region.kt.node, region.v.node, *region.captured)}
+    if None in boundary:
+        return None
     graph = torch.fx.Graph()
     env: dict = {}
     order = ancestors(output, lambda node: node in boundary or is_input(node))
@@ -79,6 +85,18 @@ def region_branch(region: AttentionRegion, output: torch.fx.Node) -> tuple[torch
             env[node] = graph.node_copy(node, env.__getitem__)
     graph.output((env[output],))
     return torch.fx.GraphModule(torch.nn.Module(), graph), operands, env
+
+
+def _exact_operand(node: torch.fx.Node) -> Optional[torch.fx.Node]:
+    """What a branch may take for ``node``: a node Inductor hands to the branch with exactly the strides FX gives it,
+    for which the branch is compiled. A graph input, or a dense tensor the graph computes (``branch_on`` has Inductor
+    lay it out in its stride order); for a view of something else (a slice of a fused qkv projection), the view's
+    source, the view then copied into the branch; None where the views end at a tensor that is neither."""
+    while node.op == "call_function" and not is_non_overlapping_and_dense_or_false(node.meta["val"]):
+        if node.target not in _VIEWS or node.target is aten.clone.default:
+            return None
+        node = node.args[0]
+    return node
 
 
 def finished(branch: torch.fx.GraphModule) -> torch.Tensor:
@@ -108,6 +126,11 @@ def branch_on(flag: torch.fx.Node, branches: dict[str, torch.fx.GraphModule], op
     """Replace ``output`` by ``cond(flag, *branches, operands)`` (the branches named by their keys); return the
     node standing for their output."""
     graph = output.graph
+    for operand in operands:
+        # The branches are compiled for the operands' strides as FX gives them: Inductor would lay out a dense operand
+        # it computes (a pointwise op on a transposed k) as it likes; in the stride order FX gives it, it has them.
+        if operand.op == "call_function":
+            operand.meta["inductor_realize_to_strides"] = True
     with graph.inserting_before(output):
         modules = tuple(subgraph(graph, module, name) for name, module in branches.items())
         cond = graph.call_function(torch.ops.higher_order.cond, (flag, *modules, tuple(operands)))
