@@ -154,9 +154,9 @@ def _without_gradient(operand: torch.fx.Node, scores: torch.fx.Node) -> bool:
     returns, and not from the scores): its op made no autograd node, and carries the number of the op autograd
     recorded before it, which may be one of the attention's own (k and v of a frozen memory, q alone trained)."""
     graph = operand.graph
-    output = graph.find_nodes(op="output")[0].args[0]
-    primals = [n for n in graph.find_nodes(op="placeholder") if n.name.startswith("primals")]
-    trained = {p for p, grad in zip(primals, output[len(output) - len(primals):]) if grad is not None}
+    output = graph.find_nodes(op="output")[0]
+    slots = {node: _gradient_slot(node, output) for node in graph.find_nodes(op="placeholder")}
+    trained = {node for node, slot in slots.items() if slot is not None and output.args[0][slot] is not None}
     sources = _reached({operand}, lambda node: node.all_input_nodes) | {operand}  # one walk of its inputs
     return not (sources & (trained | {scores}))
 
