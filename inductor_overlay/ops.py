@@ -438,6 +438,11 @@ def online_softmax_attention_backward(
     dQ and dK once."""
     z = math.prod(decisions["batch_shape"])
     m, d, n, dv = q.shape[-2], q.shape[-1], kt.shape[-1], v.shape[-1]
+    if isinstance(q, torch._subclasses.FakeTensor):  # (under a ``cond``, whose fake mode runs below autograd)
+        partials = [q.new_empty(partial_shape(read, decisions["batch_shape"], m, n), dtype=torch.float32)
+                    for read in gradient_reads]
+        dkt = dkt_in_layout(kt.new_empty(z, d, n), kt.stride())
+        return (q.new_empty(z, m, d), dkt, v.new_empty(z, n, dv), *partials)
     operands = [t.detach().reshape(shape).requires_grad_() for t, shape in ((q, (z, m, d)), (kt, (z, d, n)), (v, (z, n, dv)))]
     with torch.enable_grad():
         out = online_softmax_attention(*operands, captured, sink, score_chain, decisions, None, None, sizes)

@@ -15,6 +15,7 @@ from inductor_overlay import config, mask_checks
 from inductor_overlay.fx_passes import arange_positions_route
 from test.test_attention_fusion import reference
 from test.test_causal_tensor_route import spy_on_checks
+from test.test_training import eager_gradients
 
 counters = torch._dynamo.utils.counters
 SHAPE = Shape(1, 2, 96, 96, 16)
@@ -112,17 +113,14 @@ def captured_document_ids(q, k, v):
     return torch.softmax(scores.masked_fill(DOCUMENT[:, None] != DOCUMENT[None, :], float("-inf")), dim=-1) @ v
 
 
-@pytest.mark.parametrize("case", ["switch_off", "training", "document_ids", "in_function", "per_call"])
+@pytest.mark.parametrize("case", ["switch_off", "document_ids", "in_function", "per_call"])
 def test_no_route_where_it_does_not_apply(case, answers):
-    """The switch off, a graph that trains, 1-D integers compared only for equality (document ids), positions built
-    in the graph, or positions made anew for every call (checked never)."""
+    """The switch off, 1-D integers compared only for equality (document ids), positions built in the graph, or
+    positions made anew for every call (checked never)."""
     form = "in_function" if case == "in_function" else "captured_positions"
     fn, args = the_form("forms_sliding_window", form)
     if case == "document_ids":
         fn = captured_document_ids
-    if case == "training":
-        for operand in args:
-            operand.requires_grad_()
     if case == "per_call":
         made = MADE_ONCE["forms_sliding_window"]
         run_calls(fn, args, 3, lambda call: made.update(position=torch.arange(SHAPE.M)))
@@ -130,8 +128,7 @@ def test_no_route_where_it_does_not_apply(case, answers):
         return
     code = run_calls(fn, args, 2, arange_positions_route=case != "switch_off")
     FileCheck().check_not("known_arange").run("\n".join(code))
-    fused = "flashlight_attention_fused_for_training" if case == "training" else "flashlight_attention_fused"
-    assert counters["inductor"][fused] == 1
+    assert counters["inductor"]["flashlight_attention_fused"] == 1
     assert counters["inductor"]["flashlight_attention_arange_route"] == 0
     assert answers["answers"] == []
 
@@ -232,3 +229,85 @@ def test_a_route_that_fails_leaves_the_attention_fused(monkeypatch, caplog):
     assert counters["inductor"]["flashlight_fault_fallback"] == 0
     assert len(fused_kernels(code)) == 2
 
+
+
+def train_calls(fn, args, calls, before_call=lambda call: None, **overlay):
+    """Compile ``fn`` afresh and run it forward and backward ``calls`` times (``args`` require grad), each output and
+    gradient against float64 eager autograd at a fresh upstream gradient; the first call's code."""
+    torch._dynamo.reset()
+    compiled = torch.compile(fn)
+    first_code = None
+    overlay = {"sdpa_pattern_policy": "flashlight", "fault_containment": False, **overlay}
+    with torch._inductor.utils.fresh_cache(), testing.cpu_triton(), config.patch(**overlay):
+        for call in range(calls):
+            before_call(call)
+            for operand in args:
+                operand.grad = None
+
+            def step():
+                out = compiled(*args)
+                grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(call), dtype=out.dtype)
+                out.backward(grad)
+                return out, grad
+
+            (out, grad), code = testing.run_keeping_graphs_and_get_code(step)
+            first_code = first_code or code
+            expected, expected_grads = eager_gradients(fn, args, {}, grad)
+            testing.assert_close_to_reference(out, expected)
+            for operand, reference in zip(args, expected_grads, strict=True):
+                testing.assert_close_to_reference(operand.grad, reference)
+    return first_code
+
+
+def trained_form(family, form):
+    fn, args = the_form(family, form)
+    return fn, tuple(operand.float().requires_grad_() for operand in args)
+
+
+TRAINED_IN_CI = {("forms_sliding_window", "captured_positions"), ("forms_alibi", "registered_buffer")}
+
+
+@pytest.mark.parametrize("family,form", [
+    pytest.param(family, form, marks=() if (family, form) in TRAINED_IN_CI else pytest.mark.full)
+    for family in FAMILIES for form in ("captured_positions", "registered_buffer")
+])
+def test_positions_that_hold_arange_train_on_the_in_function_kernels(family, form, answers):
+    """In training the forward and the backward each run under a ``cond`` on one check: from the second call, the
+    copies built with iota, whose kernels are the in-function form's training kernels byte for byte (forward and
+    backward); the forward saves only its output and the rows' statistics (no score-sized buffer). Every call's
+    output and gradients are float64 eager's."""
+    fn, args = trained_form(family, form)
+    code = train_calls(fn, args, 3)
+    text = "\n".join(code)
+    FileCheck().check("def arange_positions_forward_0").check("def positions_read_forward_0").check(
+        "torch.ops.flashlight.known_arange.default(").check(".item():").run(text)
+    FileCheck().check("def arange_positions_backward_0").check("def positions_read_backward_0").check(
+        "known_arange_default.item():").run(text)
+    assert text.count("torch.ops.flashlight.known_arange.default(") == 1
+    assert answers["answers"] == [False, True, True] and answers["checks"] == 1
+    assert counters["inductor"]["flashlight_attention_arange_route"] == 1
+    assert counters["inductor"]["flashlight_attention_fused_for_training"] == 1
+    assert max(testing.allocated_buffer_numels(code)) < SHAPE.M * SHAPE.N
+    in_function, in_function_args = trained_form(family, "in_function")
+    reference_code = train_calls(in_function, in_function_args, 1)
+    assert len(fused_kernels(reference_code)) == 2  # a forward and a backward
+    if family != "forms_alibi":  # (the in-function ALiBi computes its slopes too, the others read them)
+        assert fused_kernels(reference_code) <= fused_kernels(code)
+    assert len(fused_kernels(code)) == 4
+
+
+def test_positions_changed_in_place_between_steps_are_read_until_checked_again(answers):
+    """Captured positions reversed between steps 2 and 4, then made consecutive again: the steps after each write
+    read them, forward and backward (every result and gradient eager's), until a new check has passed."""
+    fn, args = trained_form("forms_softcap_window", "captured_positions")
+    position = MADE_ONCE["forms_softcap_window"]["position"]
+
+    def before_call(call):
+        if call == 2:
+            position.copy_(position.flip(0))
+        if call == 4:
+            position.copy_(torch.arange(position.numel()))
+
+    train_calls(fn, args, 6, before_call)
+    assert answers["answers"] == [False, True, False, False, False, True]
+    assert answers["checks"] == 3

@@ -48,6 +48,7 @@ import torch
 from torch._dynamo.utils import counters
 
 from inductor_overlay import config, ops
+from inductor_overlay.fx_passes.arange_positions_route import arange_positions, route_training_when_arange
 from inductor_overlay.fx_passes.attention_fusion import TrainingForward, fuse
 from inductor_overlay.fx_passes.attention_region import (
     AttentionRegion,
@@ -502,6 +503,54 @@ def _runs_as_sdpa(region: AttentionRegion, matched: RegionBackward) -> bool:
     return True
 
 
+def _fuse_pair(region: AttentionRegion, matched: RegionBackward, sdpa: bool = True) -> bool:
+    """The region and its backward fused as a pair: on SDPA's kernels where ``sdpa`` allows and they take it
+    (returns True), else on ours."""
+    if sdpa and _runs_as_sdpa(region, matched):
+        return True
+    _insert_backward(region, matched, fuse(region, training=True))
+    return False
+
+
+def _fuse_copy(region: AttentionRegion, matched: RegionBackward, copies: dict, sdpa: bool) -> bool:
+    """A route's copy of ``region`` and its backward (``trained_branches``, ``copies`` the map from the joint graph's
+    nodes) fused as a pair on our kernels (or SDPA's, where ``sdpa``); False where the copy is not attention that
+    trains fused (a copy a route rewrote is found and checked again)."""
+    found = find_attention(copies[region.pv], dead=frozenset(c for c in copies.values() if is_backward(c)))
+    if isinstance(found, Decline) or _declines_training(found) is not None:
+        return False
+    before, after = _differentiable(region), _differentiable(found)
+    grads = {}
+    for value, index in matched.grads.items():
+        target = copies.get(before[index])
+        if not any(target is node for node in after):
+            return False
+        grads[copies[value]] = next(i for i, node in enumerate(after) if node is target)
+    copy = RegionBackward({copies[node] for node in matched.nodes}, copies[matched.grad_out], grads)
+    if isinstance(_gradient_reads(found, copy, _score_chain_module(found)), str):
+        return False
+    _fuse_pair(found, copy, sdpa)
+    return True
+
+
+def _routed_for_training(region: AttentionRegion, matched: RegionBackward) -> bool:
+    """Whether a checked route (``arange_positions_route``) replaced the region and its backward by two fused
+    versions of them under ``cond``s (``trained_branches``). A route that fails leaves the joint graph as it was
+    (it works on copies until both are built), and the region is fused without it, with the reason in the log."""
+    positions = arange_positions(region)
+    if not positions:
+        return False
+    try:
+        return route_training_when_arange(region, matched, positions, _fuse_copy)
+    except Exception as error:  # noqa: BLE001  (fault containment: the plain fused pair stays)
+        if not config.fault_containment:
+            raise
+        counters["inductor"]["flashlight_route_fault"] += 1
+        log.warning("attention at %s: the arange route failed in training (%s: %s); fused without it",
+                    region.pv.name, type(error).__name__, error)
+        return False
+
+
 def fuse_attention_for_training(graph: torch.fx.Graph) -> None:
     """Joint-graph pass: each fusable attention whose backward matches (module doc) becomes the fused forward and
     backward pair."""
@@ -530,12 +579,17 @@ def fuse_attention_for_training(graph: torch.fx.Graph) -> None:
             log.info("attention not fused for training at %s: %s", pv.name, reason)
             continue
         changed = True
+        if _routed_for_training(region, matched):
+            counters["inductor"]["flashlight_attention_arange_route"] += 1
+            counters["inductor"]["flashlight_attention_fused_for_training"] += 1
+            log.info("attention fused for training at %s: runs as if the positions its chain reads were built with "
+                     "arange while they hold 0, 1, ..., reading them otherwise", pv.name)
+            continue
         try:
-            if _runs_as_sdpa(region, matched):
+            if _fuse_pair(region, matched):
                 counters["inductor"]["flashlight_attention_as_sdpa_for_training"] += 1
                 log.info("attention at %s trains on SDPA's forward and backward kernels", pv.name)
                 continue
-            _insert_backward(region, matched, fuse(region, training=True))
         except Exception as error:  # noqa: BLE001  (counted, then contained by post_grad._contained)
             # A fault half-way leaves a fused forward whose backward is missing or partly handed out (and a forward
             # that is itself at fault): the pass gives up, and its wrapper puts the joint graph back as upstream
