@@ -419,6 +419,12 @@ def dkt_in_layout(dkt: torch.Tensor, kt_strides) -> torch.Tensor:
     return dkt.contiguous()
 
 
+def _autograd_records(tensor: torch.Tensor) -> bool:
+    """Whether autograd records ops on ``tensor`` here (not where dispatch runs below it)."""
+    with torch.enable_grad():
+        return tensor.detach().requires_grad_().sum().grad_fn is not None
+
+
 def online_softmax_attention_backward(
     q, kt, v, captured, score_chain, decisions, chain_vjp, lse, delta, dense, grad_out, sizes=(), read_vjps=(), gradient_reads=(),
     unmasked_vjp=None, sink=None, gradient_factor=1.0,
@@ -438,7 +444,7 @@ def online_softmax_attention_backward(
     dQ and dK once."""
     z = math.prod(decisions["batch_shape"])
     m, d, n, dv = q.shape[-2], q.shape[-1], kt.shape[-1], v.shape[-1]
-    if isinstance(q, torch._subclasses.FakeTensor):  # (under a ``cond``, whose fake mode runs below autograd)
+    if isinstance(q, torch._subclasses.FakeTensor) and not _autograd_records(q):  # (a ``cond``'s fake run is below autograd)
         partials = [q.new_empty(partial_shape(read, decisions["batch_shape"], m, n), dtype=torch.float32)
                     for read in gradient_reads]
         dkt = dkt_in_layout(kt.new_empty(z, d, n), kt.stride())

@@ -15,7 +15,7 @@ from inductor_overlay import config, mask_checks
 from inductor_overlay.fx_passes import arange_positions_route
 from test.test_attention_fusion import reference
 from test.test_causal_tensor_route import spy_on_checks
-from test.test_training import eager_gradients
+from test.test_training import train_calls
 
 counters = torch._dynamo.utils.counters
 SHAPE = Shape(1, 2, 96, 96, 16)
@@ -229,34 +229,6 @@ def test_a_route_that_fails_leaves_the_attention_fused(monkeypatch, caplog):
     assert counters["inductor"]["flashlight_fault_fallback"] == 0
     assert len(fused_kernels(code)) == 2
 
-
-
-def train_calls(fn, args, calls, before_call=lambda call: None, **overlay):
-    """Compile ``fn`` afresh and run it forward and backward ``calls`` times (``args`` require grad), each output and
-    gradient against float64 eager autograd at a fresh upstream gradient; the first call's code."""
-    torch._dynamo.reset()
-    compiled = torch.compile(fn)
-    first_code = None
-    overlay = {"sdpa_pattern_policy": "flashlight", "fault_containment": False, **overlay}
-    with torch._inductor.utils.fresh_cache(), testing.cpu_triton(), config.patch(**overlay):
-        for call in range(calls):
-            before_call(call)
-            for operand in args:
-                operand.grad = None
-
-            def step():
-                out = compiled(*args)
-                grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(call), dtype=out.dtype)
-                out.backward(grad)
-                return out, grad
-
-            (out, grad), code = testing.run_keeping_graphs_and_get_code(step)
-            first_code = first_code or code
-            expected, expected_grads = eager_gradients(fn, args, {}, grad)
-            testing.assert_close_to_reference(out, expected)
-            for operand, reference in zip(args, expected_grads, strict=True):
-                testing.assert_close_to_reference(operand.grad, reference)
-    return first_code
 
 
 def trained_form(family, form):

@@ -148,17 +148,15 @@ def test_a_mask_made_for_every_call_is_never_checked(answers):
     assert answers["checks"] == 0
 
 
-@pytest.mark.parametrize("case", ["switch_off", "training", "in_function", "small"])
+@pytest.mark.parametrize("case", ["switch_off", "in_function", "small"])
 def test_no_route_where_it_does_not_apply(case, monkeypatch):
-    """The switch off, a graph that trains, positions built in the graph (which the SDPA route decides when
-    compiling), or less work than ``MIN_WORK``: no host check."""
+    """The switch off, positions built in the graph (which the SDPA route decides when compiling), or less work than
+    ``MIN_WORK``: no host check."""
     if case == "small":
         monkeypatch.setattr(causal_tensor_route, "MIN_WORK", SHAPE.B * SHAPE.H * SHAPE.M * SHAPE.N * SHAPE.D + 1)
     form = "in_function" if case == "in_function" else "sliced_buffer_mask"
     variant = form_variant(f"forms_causal:{form}")
     q, k, v, extras = make_inputs(variant, SHAPE, dtype=torch.bfloat16)
-    if case == "training":
-        q.requires_grad_()
     with testing.cpu_triton(), config.patch(**ROUTE, causal_tensor_route=case != "switch_off"):
         out, code = testing.compile_and_get_code(variant.reference, q, k, v, **extras)
     FileCheck().check_not("known_causal").run("\n".join(code))
@@ -252,3 +250,55 @@ def test_a_check_that_fails_counts_as_not_causal():
     failing = "def forward(self, input_0):\n    raise RuntimeError('out of memory')\n"
     keep = torch.ones(12, 12, dtype=torch.bool).tril()
     assert [mask_checks.is_known_causal([keep], failing, 12) for _ in range(3)] == [False, False, False]
+
+
+def trained_causal_form(form, keep=None):
+    variant = form_variant(f"forms_causal:{form}")
+    q, k, v, extras = make_inputs(variant, SHAPE, dtype=torch.float32)
+    extras = extras if keep is None else dict(extras, keep=keep)
+    return (lambda q, k, v: variant.reference(q, k, v, **extras)), tuple(t.requires_grad_() for t in (q, k, v))
+
+
+@pytest.mark.parametrize("form", ["sliced_buffer_mask", pytest.param("mask_passed_in", marks=pytest.mark.full)])
+def test_a_causal_mask_from_tensors_trains_on_the_causal_formula_once_checked(form, answers):
+    """In training the forward and the backward each run under a ``cond`` on one check: from the second step, the
+    copies whose mask is the causal formula, whose kernels are the in-function causal form's training kernels byte
+    for byte; every step's output and gradients are float64 eager's."""
+    from test.test_arange_positions_route import fused_kernels
+    from test.test_training import train_calls
+
+    fn, args = trained_causal_form(form)
+    code = train_calls(fn, args, 3)
+    text = "\n".join(code)
+    FileCheck().check("def causal_formula_forward_0").check("def causal_mask_read_forward_0").check(
+        "flashlight.known_causal.default(").check(".item():").run(text)
+    FileCheck().check("def causal_formula_backward_0").check("def causal_mask_read_backward_0").run(text)
+    assert answers["answers"] == [False, True, True] and answers["checks"] == 1
+    assert counters["inductor"]["flashlight_attention_causal_route"] == 1
+    in_function, in_function_args = trained_causal_form("in_function")
+    reference_kernels = fused_kernels(train_calls(in_function, in_function_args, 1))
+    assert len(reference_kernels) == 2 and reference_kernels <= fused_kernels(code)
+
+
+@pytest.mark.parametrize("case", ["written_in_place", "prefix"])
+def test_a_trained_mask_that_is_not_causal_is_read(case, answers):
+    """A causal buffer with one key of row 40 masked in place between steps 2 and 4, or a mask that is not causal
+    (a prefix of 20 visible keys): those steps read the mask, forward and backward, and match eager."""
+    from test.test_training import train_calls
+
+    if case == "prefix":
+        keep = torch.ones(SHAPE.M, SHAPE.N, dtype=torch.bool).tril()
+        keep[:, :20] = True
+        fn, args = trained_causal_form("mask_passed_in", keep)
+        train_calls(fn, args, 3)
+        assert answers["answers"] == [False] * 3 and answers["checks"] == 1
+        return
+    fn, args = trained_causal_form("sliced_buffer_mask")
+    buffers = MADE_ONCE["forms_causal"]["module"]
+
+    def before_call(call):
+        if call in (2, 4):
+            buffers.mask[..., 40, 7] = call == 4
+
+    train_calls(fn, args, 6, before_call)
+    assert answers["answers"] == [False, True, False, False, False, True]

@@ -40,17 +40,23 @@ IDIOMS = [
 ]
 
 
+# The kernels that read the tensors a chain is given: what runs until a checked route's check passes (the routes
+# have tests of their own: test_arange_positions_route.py, test_causal_tensor_route.py).
+READ_TENSORS = dict(arange_positions_route=False, causal_tensor_route=False)
+
+
 def float64(tensor):
     return tensor.detach().double() if tensor.is_floating_point() else tensor
 
 
 def train_on_cpu(fn, operands, extras, grad_seed=0, dynamic=None, **overlay):
-    """Compile ``fn`` afresh, run it forward and backward at a fresh random upstream gradient; returns the output,
-    the operands' gradients, the upstream gradient and the generated code of both graphs."""
+    """Compile ``fn`` afresh, run it forward and backward at a fresh random upstream gradient (the checked routes off:
+    ``READ_TENSORS``); returns the output, the operands' gradients, the upstream gradient and the generated code of
+    both graphs."""
     from torch._inductor.utils import fresh_cache
 
     torch._dynamo.reset()
-    with testing.cpu_triton(), config.patch(**{"sdpa_pattern_policy": "flashlight", **overlay}), fresh_cache():
+    with testing.cpu_triton(), config.patch(**{"sdpa_pattern_policy": "flashlight", **READ_TENSORS, **overlay}), fresh_cache():
 
         def step():
             out = torch.compile(fn, dynamic=dynamic)(*operands, **extras)
@@ -74,6 +80,36 @@ def assert_matches_eager(fn, operands, extras, out, grads, grad):
     testing.assert_close_to_reference(out, expected)
     for actual, reference in zip(grads, expected_grads, strict=True):
         testing.assert_close_to_reference(actual, reference)
+
+
+def train_calls(fn, args, calls, before_call=lambda call: None, **overlay):
+    """Compile ``fn`` afresh and run it forward and backward ``calls`` times (``args`` require grad), each output and
+    gradient against float64 eager autograd at a fresh upstream gradient; the first call's code."""
+    from torch._inductor.utils import fresh_cache
+
+    torch._dynamo.reset()
+    compiled = torch.compile(fn)
+    first_code = None
+    overlay = {"sdpa_pattern_policy": "flashlight", "fault_containment": False, **overlay}
+    with fresh_cache(), testing.cpu_triton(), config.patch(**overlay):
+        for call in range(calls):
+            before_call(call)
+            for operand in args:
+                operand.grad = None
+
+            def step():
+                out = compiled(*args)
+                grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(call), dtype=out.dtype)
+                out.backward(grad)
+                return out, grad
+
+            (out, grad), code = testing.run_keeping_graphs_and_get_code(step)
+            first_code = first_code or code
+            expected, expected_grads = eager_gradients(fn, args, {}, grad)
+            testing.assert_close_to_reference(out, expected)
+            for operand, reference in zip(args, expected_grads, strict=True):
+                testing.assert_close_to_reference(operand.grad, reference)
+    return first_code
 
 
 def assert_fused_training(code, score_numel, extern_calls=0):

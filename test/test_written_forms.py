@@ -9,6 +9,7 @@ from torch.testing import FileCheck
 
 from benchmarks import variants
 from benchmarks.written_forms import FORMS, MADE_ONCE
+from test.test_training import READ_TENSORS
 from flashlight import testing
 from inductor_overlay import config, ops
 from inductor_overlay.kernel import tile_tests
@@ -153,9 +154,10 @@ def test_floor_of_a_difference_rounds_down_for_negative_values():
 
 
 def test_captured_positions_train_with_the_fused_backward():
-    """In training both passes skip tiles by the captured positions' cells: the backward's pre-pass bounds the
-    column program's own columns and each scanned row tile (and the reverse in the row programs); outputs and
-    gradients match float64 eager, and nothing falls back (containment off: a fault raises)."""
+    """In training both passes of the kernels that read captured positions (what runs until the arange route's check
+    passes; the route off here) skip tiles by their cells: the backward's pre-pass bounds the column program's own
+    columns and each scanned row tile (and the reverse in the row programs); outputs and gradients match float64
+    eager, and nothing falls back (containment off: a fault raises)."""
     from torch._dynamo.utils import counters
 
     from inductor_overlay import config
@@ -165,7 +167,7 @@ def test_captured_positions_train_with_the_fused_backward():
     fn = variant.idioms["captured_positions"]
     leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
     counters.clear()
-    with testing.cpu_triton(), config.patch(sdpa_pattern_policy="flashlight", fault_containment=False):
+    with testing.cpu_triton(), config.patch(sdpa_pattern_policy="flashlight", fault_containment=False, **READ_TENSORS):
         torch._dynamo.reset()
         def step():
             out = torch.compile(fn)(*leaves)
@@ -245,7 +247,7 @@ def test_a_sliced_buffer_mask_is_read_per_score_in_the_backward(monkeypatch, for
     variant = FORMS["forms_causal"]
     q, k, v, extras = variants.make_inputs(variant, variants.Shape(B=1, H=2, M=40, N=40, D=16))
     leaves = [t.requires_grad_(True) for t in (q, k, v)]
-    with testing.cpu_triton(), config.patch(sdpa_pattern_policy="flashlight", fault_containment=False):
+    with testing.cpu_triton(), config.patch(sdpa_pattern_policy="flashlight", fault_containment=False, **READ_TENSORS):
         torch._dynamo.reset()
         _, code = testing.run_keeping_graphs_and_get_code(
             lambda: torch.compile(variant.idioms[form])(*leaves, **extras).sum().backward()
@@ -312,7 +314,7 @@ def test_training_forward_computes_consecutive_captured_positions_from_the_tile(
     leaves = [torch.randn(2, 2, 80, 16, generator=generator).requires_grad_(True) for _ in range(3)]
     grad = torch.randn(2, 2, 80, 16, generator=generator)
     counters.clear()
-    with testing.cpu_triton(), config.patch(sdpa_pattern_policy="flashlight", fault_containment=False):
+    with testing.cpu_triton(), config.patch(sdpa_pattern_policy="flashlight", fault_containment=False, **READ_TENSORS):
         torch._dynamo.reset()
         out, code = testing.run_keeping_graphs_and_get_code(
             lambda: torch.compile(_distance_bias_causal)(*leaves, position)

@@ -1,5 +1,5 @@
 """Run as `PYTHONPATH=. python tools/gpu_training.py [--variants=a,b] [--shapes=BxHxSxD,...] [--check-only] [--learned]
-[--programs=a,b [--program-shapes=BxHxSxD,...]] [--forms=family:form,...]`.
+[--programs=a,b [--program-shapes=BxHxSxD,...]] [--forms=family:form,...] [--impls=flashlight,compile,flex,sdpa]`.
 
 Training on the GPU: forward + backward of each variant's first idiom, inputs requiring grad.
 
@@ -8,7 +8,7 @@ Training on the GPU: forward + backward of each variant's first idiom, inputs re
 2. Time (bf16, the given shapes): median of ``triton.testing.do_bench`` of one forward + backward for the overlay
    (under the default policy: plain causal attention trains on SDPA's kernels, ``as_sdpa``),
    default ``torch.compile`` (overlay off), FlexAttention (the variant's score_mod / block mask, compiled) and SDPA
-   where the variant has one; peak memory of one step beside each. One process, so the ratios compare like with like.
+   where the variant has one (or those ``--impls`` names); peak memory of one step beside each. One process, so the ratios compare like with like.
 
 With ``--learned`` the variant's floating tensors (ALiBi's slopes, a per-head bias) require grad too: their
 gradients are checked and computed in every timed step (FlexAttention's as its captured buffers' gradients).
@@ -108,7 +108,8 @@ def bench(variant, shape) -> list[str]:
         "flex": lambda: (flex_impl(variant, variant.adapt(shape), extras) or (None,))[0],
         "sdpa": lambda: variant.sdpa,
     }
-    for impl, make in impls.items():
+    chosen = _arg("impls", ",".join(impls)).split(",")
+    for impl, make in ((name, make) for name, make in impls.items() if name in chosen):
         torch._dynamo.reset()
         torch._dynamo.utils.counters.clear()
         try:

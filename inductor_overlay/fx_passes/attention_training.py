@@ -58,6 +58,7 @@ from inductor_overlay.fx_passes.attention_region import (
     is_softmax_output,
 )
 from inductor_overlay.fx_passes.block_sparsity import is_op as _is
+from inductor_overlay.fx_passes.causal_tensor_route import causal_training_masks, route_training_when_causal
 from inductor_overlay.fx_passes.captured_gradients import FULL, gradient_of_read, gradient_read, read_vjp_module
 from inductor_overlay.fx_passes.chain_modules import _score_chain_module, traced_joint
 from inductor_overlay.fx_passes.fx_helpers import (
@@ -503,6 +504,16 @@ def _runs_as_sdpa(region: AttentionRegion, matched: RegionBackward) -> bool:
     return True
 
 
+_ROUTE_COUNTERS = {"route_training_when_arange": "flashlight_attention_arange_route",
+                   "route_training_when_causal": "flashlight_attention_causal_route"}
+_ROUTE_LOG = {
+    "route_training_when_arange": "runs as if the positions its chain reads were built with arange while they hold "
+                                  "0, 1, ..., reading them otherwise",
+    "route_training_when_causal": "runs with the causal formula while the tensors its masks read hold the causal "
+                                  "mask, reading them otherwise",
+}
+
+
 def _fuse_pair(region: AttentionRegion, matched: RegionBackward, sdpa: bool = True) -> bool:
     """The region and its backward fused as a pair: on SDPA's kernels where ``sdpa`` allows and they take it
     (returns True), else on ours."""
@@ -533,22 +544,24 @@ def _fuse_copy(region: AttentionRegion, matched: RegionBackward, copies: dict, s
     return True
 
 
-def _routed_for_training(region: AttentionRegion, matched: RegionBackward) -> bool:
-    """Whether a checked route (``arange_positions_route``) replaced the region and its backward by two fused
-    versions of them under ``cond``s (``trained_branches``). A route that fails leaves the joint graph as it was
-    (it works on copies until both are built), and the region is fused without it, with the reason in the log."""
-    positions = arange_positions(region)
-    if not positions:
-        return False
+def _routed_for_training(region: AttentionRegion, matched: RegionBackward) -> Optional[str]:
+    """The checked route (``arange_positions_route``, else ``causal_tensor_route``) that replaced the region and its
+    backward by two fused versions of them under ``cond``s (``trained_branches``), or None. A route that fails
+    leaves the joint graph as it was (it works on copies until both are built), and the region is fused without
+    it, with the reason in the log."""
+    positions, wheres = arange_positions(region), causal_training_masks(region)
+    route = route_training_when_arange if positions else route_training_when_causal if wheres else None
+    if route is None:
+        return None
     try:
-        return route_training_when_arange(region, matched, positions, _fuse_copy)
+        return route.__name__ if route(region, matched, positions or wheres, _fuse_copy) else None
     except Exception as error:  # noqa: BLE001  (fault containment: the plain fused pair stays)
         if not config.fault_containment:
             raise
         counters["inductor"]["flashlight_route_fault"] += 1
-        log.warning("attention at %s: the arange route failed in training (%s: %s); fused without it",
-                    region.pv.name, type(error).__name__, error)
-        return False
+        log.warning("attention at %s: %s failed in training (%s: %s); fused without it",
+                    region.pv.name, route.__name__, type(error).__name__, error)
+        return None
 
 
 def fuse_attention_for_training(graph: torch.fx.Graph) -> None:
@@ -579,11 +592,11 @@ def fuse_attention_for_training(graph: torch.fx.Graph) -> None:
             log.info("attention not fused for training at %s: %s", pv.name, reason)
             continue
         changed = True
-        if _routed_for_training(region, matched):
-            counters["inductor"]["flashlight_attention_arange_route"] += 1
+        routed = _routed_for_training(region, matched)
+        if routed is not None:
             counters["inductor"]["flashlight_attention_fused_for_training"] += 1
-            log.info("attention fused for training at %s: runs as if the positions its chain reads were built with "
-                     "arange while they hold 0, 1, ..., reading them otherwise", pv.name)
+            counters["inductor"][_ROUTE_COUNTERS[routed]] += 1
+            log.info("attention fused for training at %s: %s", pv.name, _ROUTE_LOG[routed])
             continue
         try:
             if _fuse_pair(region, matched):

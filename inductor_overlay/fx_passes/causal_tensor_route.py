@@ -23,6 +23,7 @@ outside CUDA graphs.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Optional
 
@@ -47,6 +48,8 @@ from inductor_overlay.fx_passes.checked_branches import (
     region_branch,
     shared_check,
 )
+from inductor_overlay.fx_passes.fx_helpers import call_op, prims
+from inductor_overlay.fx_passes.trained_branches import branch_pair_on, fused_pair_branch
 from inductor_overlay.fx_passes.sdpa_route import (
     SdpaCall,
     _logical_shape,
@@ -172,3 +175,61 @@ def route_when_causal(region: AttentionRegion, wheres: list[torch.fx.Node], fuse
     inputs, source = check
     flag = shared_check(region.pv.graph, known_causal, (inputs, source, result.shape[-2]), output, result)
     return branch_on(flag, {"causal_sdpa": sdpa_branch, "causal_fused": fused_branch}, operands, output, result)
+
+
+def causal_training_masks(region: AttentionRegion) -> Optional[list[torch.fx.Node]]:
+    """In a joint graph: the ``where`` nodes of the region's masks where the training form of the route applies (the
+    module's rule, the first copy fused with the causal formula instead of SDPA's kernel: no dtype or scale
+    condition), else None."""
+    if not config.causal_tensor_route or region.captured_sizes or not region.softmax:
+        return None
+    if not python_wrapper_without_graphs():
+        return None
+    *_, rows, columns = region.score_root.meta["val"].shape
+    wheres = [node for node in region.chain if masked_terms(node) is not None]
+    if not wheres or rows != columns or not all(_masks_the_scores(node, region) for node in wheres):
+        return None
+    if len(position_masks(region.chain, region.score_root)[1]) == len(wheres):  # formulas alone: decided when compiling
+        return None
+    return wheres
+
+
+def _as_causal_formula(wheres: list[torch.fx.Node]) -> None:
+    """Each ``where`` (a copy's) masks where ``n > m``: its condition replaced by that formula over iotas (written
+    ``~(n <= m)`` where the fill is the true branch, as ``masked_fill(~causal, -inf)`` is), broadcast to the
+    condition's shape."""
+    for where in wheres:
+        condition = where.args[0]
+        value = condition.meta["val"]
+        graph, rows = where.graph, value.shape[-2]
+        kwargs = dict(start=0, step=1, dtype=torch.int64, device=value.device, requires_grad=False)
+        with graph.inserting_before(where), torch._guards.detect_fake_mode([value]) or contextlib.nullcontext():
+            positions = call_op(graph, prims.iota.default, (rows,), kwargs)
+            columns = call_op(graph, aten.unsqueeze.default, (positions, 0))
+            row_positions = call_op(graph, aten.unsqueeze.default, (positions, 1))
+            formula = call_op(graph, aten.le.Tensor, (columns, row_positions))  # kept: n <= m
+            if fill_is_true_branch(where):
+                formula = call_op(graph, aten.bitwise_not.default, (formula,))
+            formula = call_op(graph, aten.expand.default, (formula, list(value.shape)))
+        where.replace_input_with(condition, formula)
+
+
+def route_training_when_causal(region: AttentionRegion, matched, wheres: list[torch.fx.Node], fuse_copy) -> bool:
+    """In a joint graph: replace the region and its backward (``matched``) by ``cond``s between their copy whose masks
+    are the causal formula and their copy reading the masks' tensors (``trained_branches``), each fused as a pair on
+    our kernels by ``fuse_copy``, on ``known_causal`` of those tensors; False where the route does not apply."""
+    check = _mask_check(wheres)
+    if check is None:
+        return False
+    causal = fused_pair_branch(region, matched, lambda copies: _as_causal_formula([copies[w] for w in wheres]),
+                               lambda copies: fuse_copy(region, matched, copies, sdpa=False))
+    read = fused_pair_branch(region, matched, lambda copies: None,
+                             lambda copies: fuse_copy(region, matched, copies, sdpa=False))
+    if causal is None or read is None:
+        return False
+    (causal_cut, operands), (read_cut, _) = causal, read
+    inputs, source = check
+    rows = region.score_root.meta["val"].shape[-2]
+    flag = shared_check(region.pv.graph, known_causal, (inputs, source, rows), region.pv, region.pv.meta["val"])
+    cuts = {"causal_formula": causal_cut, "causal_mask_read": read_cut}
+    return branch_pair_on(flag, cuts, operands, matched.grad_out, region.pv, list(matched.grads))
