@@ -270,9 +270,9 @@ def test_a_causal_mask_from_tensors_trains_on_the_causal_formula_once_checked(fo
     fn, args = trained_causal_form(form)
     code = train_calls(fn, args, 3)
     text = "\n".join(code)
-    FileCheck().check("def causal_formula_forward_0").check("def causal_mask_read_forward_0").check(
+    FileCheck().check("def causal_forward_0").check("def causal_mask_read_forward_0").check(
         "flashlight.known_causal.default(").check(".item():").run(text)
-    FileCheck().check("def causal_formula_backward_0").check("def causal_mask_read_backward_0").run(text)
+    FileCheck().check("def causal_backward_0").check("def causal_mask_read_backward_0").run(text)
     assert answers["answers"] == [False, True, True] and answers["checks"] == 1
     assert counters["inductor"]["flashlight_attention_causal_route"] == 1
     in_function, in_function_args = trained_causal_form("in_function")
@@ -302,3 +302,25 @@ def test_a_trained_mask_that_is_not_causal_is_read(case, answers):
 
     train_calls(fn, args, 6, before_call)
     assert answers["answers"] == [False, True, False, False, False, True]
+
+
+@pytest.mark.parametrize("form", ["mask_passed_in", pytest.param("captured_positions", marks=pytest.mark.full)])
+def test_a_causal_mask_from_tensors_trains_on_sdpas_kernels_once_checked(form, monkeypatch):
+    """Where SDPA takes causal attention in training (here its CPU kernels), the checked copy is SDPA's forward and
+    backward pair, as the in-function form's is; the forward's cond returns SDPA's rows' statistics and ours in
+    slots of their own and the shared output in one; every step matches eager."""
+    from test.test_arange_positions_route import trained_form
+    from test.test_training import train_calls
+
+    fn, args = trained_causal_form(form) if form == "mask_passed_in" else trained_form("forms_causal", form)
+    args = tuple(operand.detach().bfloat16().requires_grad_() for operand in args)
+    text = "\n".join(train_calls(fn, args, 3, **ROUTE))
+    first = "causal" if form == "mask_passed_in" else "arange_positions"
+    FileCheck().check(f"def {first}_forward_0").check("_scaled_dot_product_flash_attention_for_cpu").check(
+        "return (").run(text)
+    FileCheck().check(f"def {first}_backward_0").check("_scaled_dot_product_flash_attention_for_cpu_backward").check(
+        "return (").run(text)
+    route = "causal" if form == "mask_passed_in" else "arange"
+    assert counters["inductor"][f"flashlight_attention_{route}_route"] == 1
+    (saved,) = [line for line in text.split("\n") if "tangents_1 = args" in line]
+    assert saved.count("getitem") == 3  # the output, SDPA's statistics, ours

@@ -148,7 +148,7 @@ def route_training_when_arange(region: AttentionRegion, matched, positions: list
     kernels by ``fuse_copy``, on ``known_arange(positions)``; False where the route does not apply (nothing
     changed)."""
     iota = fused_pair_branch(region, matched, lambda copies: [_as_iota(copies[node]) for node in positions],
-                             lambda copies: fuse_copy(region, matched, copies, sdpa=False))
+                             lambda copies: fuse_copy(region, matched, copies, sdpa=True))
     read = fused_pair_branch(region, matched, lambda copies: None,
                              lambda copies: fuse_copy(region, matched, copies, sdpa=False))
     if iota is None or read is None:
@@ -156,4 +156,5 @@ def route_training_when_arange(region: AttentionRegion, matched, positions: list
     (iota_cut, operands), (read_cut, _) = iota, read
     flag = shared_check(region.pv.graph, known_arange, (positions,), region.pv, region.pv.meta["val"])
     cuts = {"arange_positions": iota_cut, "positions_read": read_cut}
-    return branch_pair_on(flag, cuts, operands, matched.grad_out, region.pv, list(matched.grads))
+    branch_pair_on(flag, cuts, operands, matched.grad_out, region.pv, list(matched.grads))
+    return True

@@ -222,7 +222,7 @@ def route_training_when_causal(region: AttentionRegion, matched, wheres: list[to
     if check is None:
         return False
     causal = fused_pair_branch(region, matched, lambda copies: _as_causal_formula([copies[w] for w in wheres]),
-                               lambda copies: fuse_copy(region, matched, copies, sdpa=False))
+                               lambda copies: fuse_copy(region, matched, copies, sdpa=True))
     read = fused_pair_branch(region, matched, lambda copies: None,
                              lambda copies: fuse_copy(region, matched, copies, sdpa=False))
     if causal is None or read is None:
@@ -231,5 +231,6 @@ def route_training_when_causal(region: AttentionRegion, matched, wheres: list[to
     inputs, source = check
     rows = region.score_root.meta["val"].shape[-2]
     flag = shared_check(region.pv.graph, known_causal, (inputs, source, rows), region.pv, region.pv.meta["val"])
-    cuts = {"causal_formula": causal_cut, "causal_mask_read": read_cut}
-    return branch_pair_on(flag, cuts, operands, matched.grad_out, region.pv, list(matched.grads))
+    cuts = {"causal": causal_cut, "causal_mask_read": read_cut}
+    branch_pair_on(flag, cuts, operands, matched.grad_out, region.pv, list(matched.grads))
+    return True

@@ -26,7 +26,7 @@ from inductor_overlay import ops
 from inductor_overlay.fx_passes.attention_region import AttentionRegion
 from inductor_overlay.fx_passes.block_sparsity import depends_on
 from inductor_overlay.fx_passes.checked_branches import _exact_operand, ancestors, is_input
-from inductor_overlay.fx_passes.fx_helpers import _VIEWS, subgraph
+from inductor_overlay.fx_passes.fx_helpers import _VIEWS, aten, subgraph
 from inductor_overlay.fx_passes.sdpa_training import _FUSED_SDPA_OPS
 
 # The ops whose outputs a backward reads as saved: the forward kernels.
@@ -80,8 +80,10 @@ class Cut:
     computes again what else it reads of the forward (views of the operands, the masks' tables, the rows' flags)."""
 
     branch: torch.fx.GraphModule
+    output: torch.fx.Node
     saved: list
-    result_source: torch.fx.Node  # the one of ``saved`` the output is a view of (or is)
+    constants: dict  # outputs of a kernel that are not tensors (a length, a flag), by their values
+    result_source: Optional[torch.fx.Node]  # the one of ``saved`` the output is a view of (or is); None: neither
     result_views: list  # the view nodes from it to the output, in order
     gradients: list
     forward_reads: set  # indices of the operands the forward reads
@@ -89,7 +91,8 @@ class Cut:
 
 
 def cut_at_kernels(branch: torch.fx.GraphModule) -> Optional[Cut]:
-    """``branch`` cut at its kernels' outputs, or None where its output is not a view of one of them."""
+    """``branch`` cut at its kernels' outputs, or None where a kernel's output that is not a tensor is not a
+    constant."""
     graph = branch.graph
     *operands, grad_out = graph.find_nodes(op="placeholder")
     output, *gradients = graph.find_nodes(op="output")[0].args[0]
@@ -97,13 +100,15 @@ def cut_at_kernels(branch: torch.fx.GraphModule) -> Optional[Cut]:
     for kernel in (n for n in graph.nodes if n.op == "call_function" and n.target in _FORWARD_KERNELS):
         items = list(kernel.users)
         outputs += items if items and all(user.target is operator.getitem for user in items) else [kernel]
-    stop = set(outputs) | set(operands)
+    constants = {node: node.meta["val"] for node in outputs if not isinstance(node.meta.get("val"), torch.Tensor)}
+    if not all(isinstance(value, (int, float, bool, type(None))) for value in constants.values()):
+        return None
+    outputs = [node for node in outputs if node not in constants]
+    stop = set(outputs) | set(operands) | set(constants)
     views = [node for node in ancestors(output, stop.__contains__) if node not in stop]
-    if not all(node.target in _VIEWS and len(node.all_input_nodes) == 1 for node in views):
-        return None
     source = views[0].all_input_nodes[0] if views else output
-    if source not in outputs:
-        return None
+    if source not in outputs or not all(node.target in _VIEWS and len(node.all_input_nodes) == 1 for node in views):
+        source, views = None, []  # (made otherwise: the forward returns the output itself)
     needed = set(ancestors(output, stop.__contains__))
     for gradient in gradients:
         needed.update(ancestors(gradient, stop.__contains__))
@@ -115,7 +120,7 @@ def cut_at_kernels(branch: torch.fx.GraphModule) -> Optional[Cut]:
             found.update(ancestors(node, lambda n: n in stop or n.op == "placeholder"))
         return {index for index, operand in enumerate(operands) if operand in found}
 
-    return Cut(branch, saved, source, views, gradients, reads(saved, set()), reads(gradients, set(saved)))
+    return Cut(branch, output, saved, constants, source, views, gradients, reads(saved, set()), reads(gradients, {*saved, *constants}))
 
 
 def _descendants(nodes: list[torch.fx.Node]) -> set:
@@ -128,30 +133,64 @@ def _descendants(nodes: list[torch.fx.Node]) -> set:
     return found
 
 
-def _module(branch: torch.fx.GraphModule, inputs: list[torch.fx.Node], outputs: list[torch.fx.Node]) -> torch.fx.GraphModule:
-    """The part of ``branch`` that computes ``outputs`` from ``inputs`` (some of its placeholders and nodes), as a
-    module of its own (its subgraphs copied from ``branch``)."""
-    graph, env = torch.fx.Graph(), {}
-    for node in inputs:
-        env[node] = graph.placeholder(node.name)
-        env[node].meta = dict(node.meta)
+def _module(cut: Cut, inputs: list, outputs: list, layouts: Optional[list] = None) -> torch.fx.GraphModule:
+    """The part of ``cut.branch`` that computes ``outputs`` from ``inputs``, as a module of its own (its subgraphs
+    copied from the branch). Inputs and outputs are the branch's nodes, or fake tensors: an input that is not read,
+    an output that is an empty tensor of that layout (a value the other version saves). With ``layouts`` (fake
+    tensors), an output laid out otherwise is copied into that layout (both branches of a cond return the same)."""
+    graph, env = torch.fx.Graph(), dict(cut.constants)
+    for index, node in enumerate(inputs):
+        placeholder = graph.placeholder(node.name if isinstance(node, torch.fx.Node) else f"unread_{index}")
+        placeholder.meta["val"] = node.meta["val"] if isinstance(node, torch.fx.Node) else node
+        env[node if isinstance(node, torch.fx.Node) else placeholder] = placeholder
     needed = set()
     for output in outputs:
-        needed.update(ancestors(output, lambda node: node in env))
-    for node in branch.graph.nodes:
+        if isinstance(output, torch.fx.Node):
+            needed.update(ancestors(output, lambda node: node in env))
+    for node in cut.branch.graph.nodes:
         if node in needed and node not in env:
             env[node] = graph.node_copy(node, env.__getitem__)
-    graph.output(tuple(env[node] for node in outputs))
-    module = torch.fx.GraphModule(branch, graph)
+    results = [env[output] if isinstance(output, torch.fx.Node) else _empty(graph, output) for output in outputs]
+    for index, layout in enumerate(layouts or []):
+        if results[index].meta["val"].stride() != layout.stride():
+            results[index] = graph.call_function(aten.copy.default, (_empty(graph, layout), results[index]))
+            results[index].meta["val"] = layout
+    graph.output(tuple(results))
+    module = torch.fx.GraphModule(cut.branch, graph)
     module.graph.lint()
     return module
 
 
-def _same_layout(first: list, second: list) -> bool:
-    values = [[node.meta["val"] for node in nodes] for nodes in (first, second)]
-    return len(first) == len(second) and all(
-        (a.shape, a.stride(), a.dtype, a.device) == (b.shape, b.stride(), b.dtype, b.device) for a, b in zip(*values)
-    )
+def _empty(graph: torch.fx.Graph, value: torch.Tensor) -> torch.fx.Node:
+    node = graph.call_function(aten.empty_strided.default, (list(value.shape), list(value.stride())),
+                               dict(dtype=value.dtype, device=value.device))
+    node.meta["val"] = value
+    return node
+
+
+def _layout(node: torch.fx.Node) -> tuple:
+    value = node.meta["val"]
+    return (tuple(value.shape), tuple(value.stride()), value.dtype, value.device)
+
+
+def _slots(first: list, second: list) -> tuple[list, list]:
+    """The forward cond's slots for two versions' saved values: a value of the second shares the first free slot of
+    the first's of its layout (our output and SDPA's, alike), else takes a slot of its own. Each version's list of
+    its value per slot (None: a slot it does not fill)."""
+    first_slots, second_slots = list(first), [None] * len(first)
+    for node in second:
+        free = [i for i, other in enumerate(first) if second_slots[i] is None and _layout(other) == _layout(node)]
+        if free:
+            second_slots[free[0]] = node
+        else:
+            first_slots.append(None)
+            second_slots.append(node)
+    return first_slots, second_slots
+
+
+def _slot_values(*versions: list) -> list:
+    """Each slot's fake value (from the version that fills it)."""
+    return [next(node for node in nodes if node is not None).meta["val"] for nodes in zip(*versions)]
 
 
 def branch_pair_on(
@@ -161,29 +200,38 @@ def branch_pair_on(
     grad_out: torch.fx.Node,
     output: torch.fx.Node,
     handed_out: list[torch.fx.Node],
-) -> bool:
+) -> None:
     """Replace ``output`` (the region's) by ``cond(flag, *forwards)`` and ``handed_out`` (R_bwd's outputs) by
-    ``cond(flag, *backwards)``, the two versions' cuts named by their keys; False (nothing changed) where their
-    forwards save values of different layouts."""
+    ``cond(flag, *backwards)``, the two versions' cuts named by their keys. Values the two save with the same
+    layouts share a slot of the forward cond's outputs (``_slots``); a slot one version does not fill it fills with
+    an empty tensor (SDPA's row statistics beside ours)."""
     first, second = cuts.values()
-    if not _same_layout(first.saved, second.saved) or _view_steps(first) != _view_steps(second):
-        return False
     forward_reads = sorted(first.forward_reads | second.forward_reads)
     backward_reads = sorted(first.backward_reads | second.backward_reads)
+    first_slots, second_slots = _slots(first.saved, second.saved)
+    # The output made from the saved values after the cond (whose outputs may not alias one another: Inductor would
+    # copy one), where both versions make it alike from a shared slot; else the forwards return it too.
+    steps = _view_steps(first, first_slots)
+    replayed = steps is not None and steps == _view_steps(second, second_slots)
     forwards, backwards = {}, {}
-    for name, cut in cuts.items():
+    for name, cut, slots in zip(cuts, (first, second), (first_slots, second_slots)):
         placeholders = cut.branch.graph.find_nodes(op="placeholder")
-        forwards[f"{name}_forward"] = _module(cut.branch, [placeholders[i] for i in forward_reads], cut.saved)
-        backwards[f"{name}_backward"] = _module(
-            cut.branch, [*(placeholders[i] for i in backward_reads), *cut.saved, placeholders[-1]], cut.gradients
-        )
+        slots = [node if node is not None else fake for node, fake in zip(slots, _slot_values(first_slots, second_slots))]
+        returned = slots if replayed else [cut.output, *slots]
+        layouts = [] if replayed else [first.output.meta["val"]]  # (the first version's: it runs once checked)
+        forwards[f"{name}_forward"] = _module(cut, [placeholders[i] for i in forward_reads], returned, layouts)
+        backwards[f"{name}_backward"] = _module(cut, [*(placeholders[i] for i in backward_reads), *slots, placeholders[-1]],
+                                                cut.gradients, [node.meta["val"] for node in first.gradients])
     graph = output.graph
     with graph.inserting_before(output):
         saved = _cond(graph, flag, forwards, [operands[i] for i in forward_reads])
-        env = dict(zip(first.saved, saved))
-        result = env[first.result_source]
-        for view in first.result_views:
-            result = env[view] = graph.node_copy(view, env.__getitem__)
+        if replayed:
+            env = dict(zip(first_slots, saved))
+            result = env[first.result_source]
+            for view in first.result_views:
+                result = env[view] = graph.node_copy(view, env.__getitem__)
+        else:
+            result, *saved = saved
     output.replace_all_uses_with(result)
     backward_operands = [*(operands[i] for i in backward_reads), *saved, grad_out]
     position = {node: index for index, node in enumerate(graph.nodes)}
@@ -192,13 +240,14 @@ def branch_pair_on(
         gradients = _cond(graph, flag, backwards, backward_operands)
     for value, gradient in zip(handed_out, gradients, strict=True):
         value.replace_all_uses_with(gradient)
-    return True
 
 
-def _view_steps(cut: Cut) -> list:
-    """How the output is made from the saved values: which one, then each view with its arguments."""
+def _view_steps(cut: Cut, slots: list) -> Optional[list]:
+    """How the output is made from the saved values: the slot it is a view of, then each view with its arguments."""
+    if cut.result_source is None:
+        return None
     steps = [(view.target, torch.fx.node.map_arg((view.args, view.kwargs), lambda _: None)) for view in cut.result_views]
-    return [cut.saved.index(cut.result_source), *steps]
+    return [next(i for i, node in enumerate(slots) if node is cut.result_source), *steps]
 
 
 def _cond(graph: torch.fx.Graph, flag: torch.fx.Node, branches: dict, operands: list) -> list:
