@@ -367,8 +367,10 @@ def _run(program: Callable, args: list, extras: dict, grad: Optional[torch.Tenso
     outs = out if isinstance(out, tuple) else (out,)
     if grad is None:
         return outs
-    outs[0].backward(grad.to(outs[0].dtype))
     learned = [t for _, t in sorted(extras.items()) if t.requires_grad]
+    for tensor in (*args, *learned):
+        tensor.grad = None  # (a program called again: this call's gradients alone)
+    outs[0].backward(grad.to(outs[0].dtype))
     return (*(o.detach() for o in outs), *(_grad_or_zeros(a) for a in args), *(_grad_or_zeros(t) for t in learned))
 
 
@@ -413,9 +415,10 @@ def check(p: Program, device: str = "cpu", training: bool = False, dynamic: bool
     counters = torch._dynamo.utils.counters
     counters.clear()
     torch._dynamo.reset()
-    # In inference, positions read from tensors are called three times with the same tensors: the first call reads
-    # them, the second starts the arange route's check, the third runs the branch the check chose (at once on the CPU).
-    calls = 1 if training or p.read_positions == "none" else 3
+    # Programs that read positions from tensors (and, in training, a boolean mask tensor) are called three times with
+    # the same tensors: the first call reads them, the second starts the checked routes' check, the third runs the
+    # branch the check chose (at once on the CPU).
+    calls = 3 if p.read_positions != "none" or (training and p.mask == "bool_tensor") else 1
     outs = []
     if device == "cpu":
         with testing.cpu_triton(), fresh_cache():
@@ -447,7 +450,8 @@ def check(p: Program, device: str = "cpu", training: bool = False, dynamic: bool
         verdict = "" if same_nans and close else " NaNs differ" if not same_nans else " NOT CLOSE"
         details.append(f"max error {(actual.double() - reference).abs().nan_to_num(0).max().item():.2e} (slack {slack:.1e}){verdict}")
     as_sdpa = " (as SDPA)" if counters["inductor"]["flashlight_attention_as_sdpa"] else ""
-    routed = " (arange route)" if counters["inductor"]["flashlight_attention_arange_route"] else ""
+    routed = "".join(f" ({name} route)" for name in ("arange", "causal")
+                     if counters["inductor"][f"flashlight_attention_{name}_route"])
     return matches, fused, "; ".join(details) + as_sdpa + routed + (" OVERLAY FAULT (fell back)" if faulted else "")
 
 

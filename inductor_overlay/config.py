@@ -154,7 +154,8 @@ sdpa_route_devices: tuple = tuple(filter(None, os.environ.get("FLASHLIGHT_SDPA_R
 # buffer sliced to the length, positions made once, a mask passed in), which is SDPA's causal attention exactly when
 # those tensors hold the causal mask, runs as ``torch.cond`` between SDPA's causal kernel and the fused kernel:
 # ``mask_checks.known_causal`` checks the tensors on the device from their second call on and answers from that check
-# while they keep their version (fx_passes/causal_tensor_route.py). Inference graphs only. A write through
+# while they keep their version (fx_passes/causal_tensor_route.py). In training (any policy or device) the checked
+# branch is the causal formula's fused forward and backward (SDPA's pair where SDPA takes causal attention). A write through
 # ``tensor.data`` changes no version: set FLASHLIGHT_CAUSAL_TENSOR_ROUTE=0 for programs that write masks that way.
 causal_tensor_route: bool = os.environ.get("FLASHLIGHT_CAUSAL_TENSOR_ROUTE", "1") != "0"
 
@@ -162,7 +163,8 @@ causal_tensor_route: bool = os.environ.get("FLASHLIGHT_CAUSAL_TENSOR_ROUTE", "1"
 # buffer sliced to the length) runs as ``torch.cond`` between the kernel of the same attention written with ``arange``
 # in the graph and the kernel that reads the positions: ``mask_checks.known_arange`` checks that they hold 0, 1, ...
 # on the device from their second call on and answers from that check while they keep their version
-# (fx_passes/arange_positions_route.py). Inference graphs only; not under CUDA graphs or AOTInductor. A write through
+# (fx_passes/arange_positions_route.py), in inference and in training (forward and backward each under a ``cond`` on one
+# check); not under CUDA graphs or AOTInductor. A write through
 # ``tensor.data`` changes no version: set FLASHLIGHT_ARANGE_POSITIONS_ROUTE=0 for programs that write positions so.
 arange_positions_route: bool = os.environ.get("FLASHLIGHT_ARANGE_POSITIONS_ROUTE", "1") != "0"
 

@@ -12,9 +12,11 @@ are fused as any region is: the first as the attention written with ``arange`` (
 tiles skipped and split by the formula, a causal one on SDPA's kernel), the second reading P as before.
 
 Positions are told from other integer vectors (document ids, bucket indices) by their use: the chain compares them
-by order (``<``, ``<=``, ``>``, ``>=``) or subtracts them. Inference graphs only, where the graph's code runs in
-Python outside CUDA graphs (``checked_branches``). Where the branch built with iota would run SDPA's kernel on less
-work than the causal route's least (``MIN_WORK``), the region is left as it is: the call would be bound by the host.
+by order (``<``, ``<=``, ``>``, ``>=``) or subtracts them. Only where the graph's code runs in Python outside CUDA
+graphs (``checked_branches``). Where the branch built with iota would run SDPA's kernel on less work than the causal
+route's least (``MIN_WORK``), the region is left as it is: the call would be bound by the host. In training (a joint
+graph, ``route_training_when_arange``) each copy holds the region's forward and its backward, fused as a pair, and
+``trained_branches`` puts the forward and the backward each under a ``cond`` on the one check.
 """
 
 from __future__ import annotations

@@ -16,9 +16,13 @@ computes them (a constant on q already applied). A region whose conditions read 
 (positions built in the graph, which ``sdpa_route`` decides at compile time) or read one through a random op is
 left to the fused kernel alone. Regions of one graph whose masks read the same tensors the same way share one check.
 
-Inference graphs only (the joint pass has replaced attention that trains by then: the forward and backward graphs
-are compiled apart, and would have to choose the same branch), and only where the graph's code runs in Python
-outside CUDA graphs.
+In training (a joint graph, ``route_training_when_causal``) the rule needs no SDPA: every mask's condition is
+replaced by the causal formula ``~(n <= m)`` over iotas in the first copy, which then computes what the region does
+wherever the OR of the conditions is ``n > m`` (each fill is -inf and stays -inf to the logits, so the region's
+logit is -inf exactly where some condition holds). That copy, the region's forward and backward together, is fused
+as the in-function causal form is (on SDPA's forward and backward kernels where SDPA takes it, else on ours), the
+second copy reading the masks; ``trained_branches`` puts the forward and the backward each under a ``cond`` on the
+one check. Only where the graph's code runs in Python outside CUDA graphs.
 """
 
 from __future__ import annotations
