@@ -117,3 +117,17 @@ def test_random_programs_train_and_match_eager(start):
             failures.append(f"{program.describe()}: {detail}")
     assert not failures, "\n".join(failures)
     assert fused >= 1, f"none of {TRAINING_BATCH} programs fused for training: the generator no longer exercises it"
+
+
+# Training programs under the checked routes, called three times with the same tensors: consecutive positions made
+# outside the program with k frozen (the arange route; its iota copy runs from the second call on the CPU), and a
+# boolean mask tensor that is not causal (the causal route; its check answers False, the copy that reads it runs).
+ROUTED_TRAINING_SEEDS = {680003: "arange", 680008: "causal"}
+
+
+@pytest.mark.parametrize("seed", sorted(ROUTED_TRAINING_SEEDS))
+def test_training_programs_under_the_checked_routes_match_eager(seed):
+    program = random_programs.draw(seed)
+    ok, fused, detail = random_programs.check(program, training=True)
+    assert ok and fused, f"{program.describe()}: {detail}"
+    assert f"({ROUTED_TRAINING_SEEDS[seed]} route)" in detail
