@@ -44,6 +44,7 @@ def _unfused(gm: torch.fx.GraphModule, example_inputs: Any) -> torch.fx.GraphMod
 
     from inductor_overlay import ops
 
+    gm = _without_checked_conds(gm)
     if not any(node.op == "call_function" and node.target in ops.FAKE_IMPLS for node in gm.graph.nodes):
         return gm
     inputs = list(example_inputs)
@@ -58,6 +59,50 @@ def _unfused(gm: torch.fx.GraphModule, example_inputs: Any) -> torch.fx.GraphMod
         return make_fx(interpreted, decomposition_table=select_decomp_table(), tracing_mode="fake")(*inputs)
     with fake_mode:
         return make_fx(interpreted, decomposition_table=select_decomp_table())(*inputs)
+
+
+def _holds_overlay_ops(module: Any) -> bool:
+    from inductor_overlay import ops
+
+    return isinstance(module, torch.fx.GraphModule) and any(
+        node.op == "call_function" and node.target in ops.FAKE_IMPLS for node in module.graph.nodes
+    )
+
+
+def _without_checked_conds(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """``gm`` with each ``cond`` a checked route put in a graph that trains (its branches hold overlay ops) replaced
+    by its second branch, inlined: the copy that reads the tensors as the program does, right whatever the check
+    answers (``fx_passes/trained_branches.py``)."""
+    conds = [node for node in gm.graph.nodes if node.target is torch.ops.higher_order.cond
+             and any(_holds_overlay_ops(getattr(gm, arg.target)) for arg in node.args[1:3])]
+    if not conds:
+        return gm
+    gm = _clone_graph_module(gm)
+    for node in [n for n in gm.graph.nodes if n.target is torch.ops.higher_order.cond and n.name in {c.name for c in conds}]:
+        branch = getattr(gm, node.args[2].target)
+        with gm.graph.inserting_before(node):
+            outputs = _inline(gm, branch, list(node.args[3]))
+        for user in list(node.users):
+            user.replace_all_uses_with(outputs[user.args[1]])
+            gm.graph.erase_node(user)
+        gm.graph.erase_node(node)
+    gm.graph.eliminate_dead_code()
+    gm.recompile()
+    return gm
+
+
+def _inline(gm: torch.fx.GraphModule, branch: torch.fx.GraphModule, operands: list) -> list:
+    """``branch``'s nodes copied into ``gm``'s graph at the insertion point, reading ``operands``; its outputs. Its
+    subgraphs (get_attr) become ``gm``'s own."""
+    env = dict(zip(branch.graph.find_nodes(op="placeholder"), operands))
+    for node in branch.graph.nodes:
+        if node.op == "get_attr":
+            name = f"{branch._get_name()}_{node.target}_{len(gm._modules)}"
+            gm.add_submodule(name, getattr(branch, node.target))
+            env[node] = gm.graph.get_attr(name)
+        elif node.op == "call_function":
+            env[node] = gm.graph.node_copy(node, env.__getitem__)
+    return [env[value] for value in branch.graph.find_nodes(op="output")[0].args[0]]
 
 
 def _post_grad_pass_config(overlay_on: bool) -> dict[str, Any]:

@@ -32,9 +32,11 @@ visible_loop_max_head_dim: int = int(os.environ.get("FLASHLIGHT_VISIBLE_LOOP_MAX
 backward_visible_loop: bool = os.environ.get("FLASHLIGHT_BACKWARD_VISIBLE_LOOP", "1") != "0"
 
 # The gradient of a table the chain gathers by the distance n - m (T5's learned bucket table) from the fused backward:
-# the kernel sums the read's gradient per diagonal, the graph scatters the sums into the table's rows. Off by default:
-# checked on the CPU harness, its speed on a GPU not yet measured; off, such attention trains on upstream's path.
-distance_gather_gradients: bool = os.environ.get("FLASHLIGHT_DISTANCE_GATHER_GRADIENTS", "0") == "1"
+# the kernel sums the read's gradient per diagonal, the graph scatters the sums into the table's rows. Off, such
+# attention trains on upstream's path, whose backward accumulates the gathered [H, M, N] gradient into the table:
+# 1,900-3,100x slower a step on an H200 (bf16, 2x16x1024x64 to 4x16x2048x64, 2026-11-28,
+# results/training/t5_learned_table_h200.txt).
+distance_gather_gradients: bool = os.environ.get("FLASHLIGHT_DISTANCE_GATHER_GRADIENTS", "1") != "0"
 
 # The backward takes the constant factors out of the chain's derivative (1/sqrt(d), a soft-cap's c and 1/c) and
 # multiplies dQ and dK by them once, as they are stored, instead of every logit (logit_scale.fold_gradient_factors).

@@ -419,10 +419,16 @@ def dkt_in_layout(dkt: torch.Tensor, kt_strides) -> torch.Tensor:
     return dkt.contiguous()
 
 
-def _autograd_records(tensor: torch.Tensor) -> bool:
-    """Whether autograd records ops on ``tensor`` here (not where dispatch runs below it)."""
+def _propagating_below_autograd(tensor: torch.Tensor) -> bool:
+    """Whether the op runs on fake tensors, for their shapes alone, where autograd records nothing: a ``cond``'s
+    fake propagation runs its branches below autograd (Inductor's, before lowering). Never while tracing (a proxy
+    mode), where the op's meaning is being written down."""
+    from torch.fx.experimental.proxy_tensor import get_proxy_mode
+
+    if not isinstance(tensor, torch._subclasses.FakeTensor) or get_proxy_mode() is not None:
+        return False
     with torch.enable_grad():
-        return tensor.detach().requires_grad_().sum().grad_fn is not None
+        return tensor.detach().requires_grad_().sum().grad_fn is None
 
 
 def online_softmax_attention_backward(
@@ -444,11 +450,11 @@ def online_softmax_attention_backward(
     dQ and dK once."""
     z = math.prod(decisions["batch_shape"])
     m, d, n, dv = q.shape[-2], q.shape[-1], kt.shape[-1], v.shape[-1]
-    if isinstance(q, torch._subclasses.FakeTensor) and not _autograd_records(q):  # (a ``cond``'s fake run is below autograd)
-        partials = [q.new_empty(partial_shape(read, decisions["batch_shape"], m, n), dtype=torch.float32)
-                    for read in gradient_reads]
-        dkt = dkt_in_layout(kt.new_empty(z, d, n), kt.stride())
-        return (q.new_empty(z, m, d), dkt, v.new_empty(z, n, dv), *partials)
+    if _propagating_below_autograd(q):
+        return online_softmax_attention_backward_fake(
+            q, kt, v, captured, score_chain, decisions, chain_vjp, lse, delta, dense, grad_out, sizes, read_vjps,
+            gradient_reads, unmasked_vjp, sink, gradient_factor,
+        )
     operands = [t.detach().reshape(shape).requires_grad_() for t, shape in ((q, (z, m, d)), (kt, (z, d, n)), (v, (z, n, dv)))]
     with torch.enable_grad():
         out = online_softmax_attention(*operands, captured, sink, score_chain, decisions, None, None, sizes)

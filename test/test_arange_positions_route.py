@@ -283,3 +283,70 @@ def test_positions_changed_in_place_between_steps_are_read_until_checked_again(a
     train_calls(fn, args, 6, before_call)
     assert answers["answers"] == [False, True, False, False, False, True]
     assert answers["checks"] == 3
+
+
+def test_a_fault_in_a_routed_backward_falls_back_to_the_copy_that_reads_the_positions(monkeypatch, answers):
+    """When the backward graph of a routed attention fails to compile, it is compiled again on upstream's path with
+    each route's ``cond`` replaced by its copy that reads the positions (right whatever the check answers), traced
+    into the aten ops of its meaning: every step's gradients stay eager's."""
+    from torch._inductor import lowering
+
+    from inductor_overlay import ops
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("injected backward fault")
+
+    monkeypatch.setitem(lowering.lowerings, ops.online_softmax_attention_backward, broken)
+    fn, args = trained_form("forms_sliding_window", "captured_positions")
+    with pytest.warns(UserWarning, match="injected backward fault"):
+        train_calls(fn, args, 3, fault_containment=True)
+    assert counters["inductor"]["flashlight_attention_arange_route"] == 1
+    assert counters["inductor"]["flashlight_fault_fallback"] == 1
+
+
+POSITIONS_96 = torch.arange(96)  # made once
+
+
+def alibi_with_learned_slopes(q, k, v, slopes):
+    """Causal ALiBi over captured positions, its slopes trained."""
+    distance = (POSITIONS_96[None, :] - POSITIONS_96[:, None]).float()
+    scores = q @ k.transpose(-2, -1) * 0.25 + slopes[:, None, None] * distance
+    return torch.softmax(scores.masked_fill(POSITIONS_96[None, :] > POSITIONS_96[:, None], float("-inf")), -1) @ v
+
+
+def window_of_projections(x, wq, wk, wv):
+    """q, k, v projected in the graph and viewed as [B, H, S, D] from [B, S, H, D], q scaled there (pointwise ops
+    on transposed views), under a window over captured positions."""
+    q, k, v = (((x @ w).view(1, 96, 2, 16) * c).transpose(1, 2) for w, c in ((wq, 0.25), (wk, 1.5), (wv, 1.0)))
+    scores = q @ k.transpose(-2, -1)
+    rows, columns = POSITIONS_96[:, None], POSITIONS_96[None, :]
+    masked = (columns > rows) | (rows - columns >= 24)
+    return torch.softmax(scores.masked_fill(masked, float("-inf")), -1) @ v
+
+
+@pytest.mark.parametrize("fn", [alibi_with_learned_slopes, window_of_projections])
+def test_routed_training_with_learned_tensors_and_operands_the_graph_computes(fn, answers):
+    """Slopes that require grad get their gradient from both versions (the copy's tensors renumbered once the
+    positions are iotas); operands the graph computes (projections scaled in the ``[B, S, H, D]`` layout, then
+    transposed) reach the conds as their branches read them. Every step matches float64 eager."""
+    generator = torch.Generator().manual_seed(3)
+    if fn is alibi_with_learned_slopes:
+        args = (*(torch.randn(1, 2, 96, 16, generator=generator) for _ in range(3)), torch.rand(2, generator=generator))
+    else:
+        args = (torch.randn(1, 96, 32, generator=generator), *(torch.randn(32, 32, generator=generator) / 6 for _ in range(3)))
+    args = tuple(arg.requires_grad_() for arg in args)
+    train_calls(fn, args, 3)
+    assert answers["answers"] == [False, True, True]
+    assert counters["inductor"]["flashlight_attention_arange_route"] == 1
+
+
+@pytest.mark.parametrize("case", ["switch_off", "per_call"])
+def test_no_route_in_training_where_it_does_not_apply(case, answers):
+    """In training too: the switch off, or positions made anew for every call (checked never)."""
+    fn, args = trained_form("forms_sliding_window", "captured_positions")
+    made = MADE_ONCE["forms_sliding_window"]
+    per_call = lambda call: made.update(position=torch.arange(SHAPE.M)) if case == "per_call" else None  # noqa: E731
+    code = train_calls(fn, args, 3, per_call, arange_positions_route=case != "switch_off")
+    assert ("known_arange" in "\n".join(code)) == (case == "per_call")
+    assert answers["answers"] == ([False] * 3 if case == "per_call" else []) and answers["checks"] == 0
+    assert counters["inductor"]["flashlight_attention_fused_for_training"] == 1

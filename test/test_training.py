@@ -857,14 +857,18 @@ def _t5_with_learned_table(shape, name="t5_bias"):
     return with_table, [*operands, table]
 
 
-def test_a_table_gathered_by_distance_declines_unless_switched_on(caplog):
-    """T5's learned bucket table, read through a gather by the distance n − m: by default the attention trains on
-    upstream's path, the log naming the switch; the gradients are eager's."""
+@pytest.mark.parametrize("switch", [True, False])
+def test_a_table_gathered_by_distance_trains_fused_by_default(switch, caplog):
+    """T5's learned bucket table, read through a gather by the distance n − m, trains fused by default; with
+    ``distance_gather_gradients`` off the attention trains on upstream's path, the log naming the switch. The
+    gradients are eager's either way."""
     fn, operands = _t5_with_learned_table(variants.Shape(B=1, H=2, M=12, N=12, D=8))
+    overlay = {} if switch else {"distance_gather_gradients": False}
     with caplog.at_level(logging.INFO, logger="flashlight"):
-        out, grads, grad, _ = train_on_cpu(fn, operands, {})
-    assert counters["inductor"]["flashlight_attention_fused_for_training"] == 0
-    assert "a table gathered by the distance n − m" in caplog.text and "FLASHLIGHT_DISTANCE_GATHER_GRADIENTS=1" in caplog.text
+        out, grads, grad, _ = train_on_cpu(fn, operands, {}, **overlay)
+    assert counters["inductor"]["flashlight_attention_fused_for_training"] == int(switch)
+    said = "a table gathered by the distance n − m" in caplog.text and "FLASHLIGHT_DISTANCE_GATHER_GRADIENTS=0" in caplog.text
+    assert said != switch
     assert_matches_eager(fn, operands, {}, out, grads, grad)
 
 

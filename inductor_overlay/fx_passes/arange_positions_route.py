@@ -41,7 +41,7 @@ from inductor_overlay.fx_passes.checked_branches import (
 )
 from inductor_overlay.fx_passes.fx_helpers import call_op
 from inductor_overlay.fx_passes.sdpa_route import sdpa_call
-from inductor_overlay.fx_passes.trained_branches import branch_pair_on, fused_pair_branch
+from inductor_overlay.fx_passes.trained_branches import route_pair
 from inductor_overlay.mask_checks import known_arange
 
 aten, prims = torch.ops.aten, torch.ops.prims
@@ -141,22 +141,15 @@ def route_when_arange(
     result = finished(iota_branch)
     finished(read_branch)
     flag = shared_check(region.pv.graph, known_arange, (positions,), output, result)
-    return branch_on(flag, {"arange_positions": iota_branch, "positions_read": read_branch}, operands, output, result)
+    return branch_on(flag, {"arange_positions": iota_branch, "positions_read": read_branch}, operands, output)
 
 
-def route_training_when_arange(region: AttentionRegion, matched, positions: list[torch.fx.Node], fuse_copy) -> bool:
-    """In a joint graph: replace the region and its backward (``matched``) by ``cond``s between their copy with
-    ``positions`` built by iota and their copy reading them (``trained_branches``), each fused as a pair on our
-    kernels by ``fuse_copy``, on ``known_arange(positions)``; False where the route does not apply (nothing
-    changed)."""
-    iota = fused_pair_branch(region, matched, lambda copies: [_as_iota(copies[node]) for node in positions],
-                             lambda copies: fuse_copy(region, matched, copies, sdpa=True))
-    read = fused_pair_branch(region, matched, lambda copies: None,
-                             lambda copies: fuse_copy(region, matched, copies, sdpa=False))
-    if iota is None or read is None:
-        return False
-    (iota_cut, operands), (read_cut, _) = iota, read
-    flag = shared_check(region.pv.graph, known_arange, (positions,), region.pv, region.pv.meta["val"])
-    cuts = {"arange_positions": iota_cut, "positions_read": read_cut}
-    branch_pair_on(flag, cuts, operands, matched.grad_out, region.pv, list(matched.grads))
-    return True
+def route_training_when_arange(region: AttentionRegion, matched, fuse_copy) -> Optional[torch.fx.Node]:
+    """In a joint graph: the region and its backward (``matched``) as ``cond``s between their copy with the positions
+    built by iota and their copy reading them (``trained_branches.route_pair``), on ``known_arange`` of the positions;
+    the node standing for the region's output, or None where the route does not apply."""
+    positions = arange_positions(region)
+    if not positions:
+        return None
+    return route_pair(region, matched, lambda copies: [_as_iota(copies[node]) for node in positions], fuse_copy,
+                      (known_arange, (positions,)), ("arange_positions", "positions_read"))

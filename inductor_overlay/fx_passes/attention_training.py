@@ -48,8 +48,8 @@ import torch
 from torch._dynamo.utils import counters
 
 from inductor_overlay import config, ops
-from inductor_overlay.fx_passes.arange_positions_route import arange_positions, route_training_when_arange
-from inductor_overlay.fx_passes.attention_fusion import TrainingForward, fuse
+from inductor_overlay.fx_passes.arange_positions_route import route_training_when_arange
+from inductor_overlay.fx_passes.attention_fusion import TrainingForward, _routed, fuse
 from inductor_overlay.fx_passes.attention_region import (
     AttentionRegion,
     Decline,
@@ -58,7 +58,7 @@ from inductor_overlay.fx_passes.attention_region import (
     is_softmax_output,
 )
 from inductor_overlay.fx_passes.block_sparsity import is_op as _is
-from inductor_overlay.fx_passes.causal_tensor_route import causal_training_masks, route_training_when_causal
+from inductor_overlay.fx_passes.causal_tensor_route import route_training_when_causal
 from inductor_overlay.fx_passes.captured_gradients import FULL, gradient_of_read, gradient_read, read_vjp_module
 from inductor_overlay.fx_passes.chain_modules import _score_chain_module, traced_joint
 from inductor_overlay.fx_passes.fx_helpers import (
@@ -504,13 +504,12 @@ def _runs_as_sdpa(region: AttentionRegion, matched: RegionBackward) -> bool:
     return True
 
 
-_ROUTE_COUNTERS = {"route_training_when_arange": "flashlight_attention_arange_route",
-                   "route_training_when_causal": "flashlight_attention_causal_route"}
-_ROUTE_LOG = {
-    "route_training_when_arange": "runs as if the positions its chain reads were built with arange while they hold "
-                                  "0, 1, ..., reading them otherwise",
-    "route_training_when_causal": "runs with the causal formula while the tensors its masks read hold the causal "
-                                  "mask, reading them otherwise",
+# The checked routes a trained attention may take (``trained_branches``), tried in this order, and what the log says.
+_TRAINING_ROUTES = {
+    "arange": (route_training_when_arange, "runs as if the positions its chain reads were built with arange while "
+                                           "they hold 0, 1, ..., reading them otherwise"),
+    "causal": (route_training_when_causal, "runs with the causal formula while the tensors its masks read hold the "
+                                           "causal mask, reading them otherwise"),
 }
 
 
@@ -545,23 +544,11 @@ def _fuse_copy(region: AttentionRegion, matched: RegionBackward, copies: dict, s
 
 
 def _routed_for_training(region: AttentionRegion, matched: RegionBackward) -> Optional[str]:
-    """The checked route (``arange_positions_route``, else ``causal_tensor_route``) that replaced the region and its
-    backward by two fused versions of them under ``cond``s (``trained_branches``), or None. A route that fails
-    leaves the joint graph as it was (it works on copies until both are built), and the region is fused without
-    it, with the reason in the log."""
-    positions, wheres = arange_positions(region), causal_training_masks(region)
-    route = route_training_when_arange if positions else route_training_when_causal if wheres else None
-    if route is None:
-        return None
-    try:
-        return route.__name__ if route(region, matched, positions or wheres, _fuse_copy) else None
-    except Exception as error:  # noqa: BLE001  (fault containment: the plain fused pair stays)
-        if not config.fault_containment:
-            raise
-        counters["inductor"]["flashlight_route_fault"] += 1
-        log.warning("attention at %s: %s failed in training (%s: %s); fused without it",
-                    region.pv.name, route.__name__, type(error).__name__, error)
-        return None
+    """The checked route (``_TRAINING_ROUTES``) that replaced the region and its backward by two fused versions of
+    them under ``cond``s, or None. A route that fails is contained (``attention_fusion._routed``): both conds are in
+    place before any use is replaced, so it leaves at most dead nodes, and the region is fused without it."""
+    return next((name for name, (route, _) in _TRAINING_ROUTES.items() if _routed(route, region, matched, _fuse_copy)),
+                None)
 
 
 def fuse_attention_for_training(graph: torch.fx.Graph) -> None:
@@ -595,8 +582,8 @@ def fuse_attention_for_training(graph: torch.fx.Graph) -> None:
         routed = _routed_for_training(region, matched)
         if routed is not None:
             counters["inductor"]["flashlight_attention_fused_for_training"] += 1
-            counters["inductor"][_ROUTE_COUNTERS[routed]] += 1
-            log.info("attention fused for training at %s: %s", pv.name, _ROUTE_LOG[routed])
+            counters["inductor"][f"flashlight_attention_{routed}_route"] += 1
+            log.info("attention fused for training at %s: %s", pv.name, _TRAINING_ROUTES[routed][1])
             continue
         try:
             if _fuse_pair(region, matched):

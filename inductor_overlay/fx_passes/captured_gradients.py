@@ -126,8 +126,8 @@ def gradient_read(chain: torch.fx.GraphModule, index: int, captured: torch.Tenso
     if gathered is not None:
         if not config.distance_gather_gradients:
             return (f"the gradient of captured tensor {index}, a table gathered by the distance n − m: summed per "
-                    "diagonal by the fused backward only with config.distance_gather_gradients "
-                    "(FLASHLIGHT_DISTANCE_GATHER_GRADIENTS=1), not fused")
+                    "diagonal by the fused backward only with config.distance_gather_gradients, turned off "
+                    "(FLASHLIGHT_DISTANCE_GATHER_GRADIENTS=0): not fused")
         read = _read_of(gathered[0])
         if _read_of_distance_gather(read) is None:
             return f"the gradient of captured tensor {index}: gathered by a distance, then not by views alone"

@@ -53,7 +53,7 @@ from inductor_overlay.fx_passes.checked_branches import (
     shared_check,
 )
 from inductor_overlay.fx_passes.fx_helpers import call_op, prims
-from inductor_overlay.fx_passes.trained_branches import branch_pair_on, fused_pair_branch
+from inductor_overlay.fx_passes.trained_branches import route_pair
 from inductor_overlay.fx_passes.sdpa_route import (
     SdpaCall,
     _logical_shape,
@@ -77,21 +77,26 @@ def causal_mask_call(region: AttentionRegion) -> Optional[tuple[SdpaCall, list[t
     """SDPA's causal call for ``region`` and the ``where`` nodes of its masks, when it is SDPA's causal attention
     exactly where the masks' conditions hold ``n > m`` (see the module's rule), and those conditions read tensors
     the graph is given."""
+    layout = sdpa_layout(region)
+    wheres = _tensor_masks(region) if layout is not None and attention_work(region) >= MIN_WORK else None
+    if wheres is None:
+        return None
+    scale = scale_apart_from(region, wheres)
+    return None if scale is None else (SdpaCall(scale, True, *layout), wheres)
+
+
+def _tensor_masks(region: AttentionRegion) -> Optional[list[torch.fx.Node]]:
+    """The ``where`` nodes of the region's masks where each masks the scores as the rule says and some read tensors
+    the graph is given, over a square score matrix, with the switch on and the graph's code in Python; else None."""
     if not config.causal_tensor_route or region.captured_sizes or not python_wrapper_without_graphs():
         return None
-    layout = sdpa_layout(region)
-    if layout is None:
-        return None
     *_, rows, columns = region.score_root.meta["val"].shape
-    if attention_work(region) < MIN_WORK:
-        return None
     wheres = [node for node in region.chain if masked_terms(node) is not None]
     if not wheres or rows != columns or not all(_masks_the_scores(node, region) for node in wheres):
         return None
     if len(position_masks(region.chain, region.score_root)[1]) == len(wheres):  # formulas alone: decided when compiling
         return None
-    scale = scale_apart_from(region, wheres)
-    return None if scale is None else (SdpaCall(scale, True, *layout), wheres)
+    return wheres
 
 
 def attention_work(region: AttentionRegion) -> int:
@@ -178,34 +183,27 @@ def route_when_causal(region: AttentionRegion, wheres: list[torch.fx.Node], fuse
     finished(fused_branch)
     inputs, source = check
     flag = shared_check(region.pv.graph, known_causal, (inputs, source, result.shape[-2]), output, result)
-    return branch_on(flag, {"causal_sdpa": sdpa_branch, "causal_fused": fused_branch}, operands, output, result)
+    return branch_on(flag, {"causal_sdpa": sdpa_branch, "causal_fused": fused_branch}, operands, output)
 
 
 def causal_training_masks(region: AttentionRegion) -> Optional[list[torch.fx.Node]]:
     """In a joint graph: the ``where`` nodes of the region's masks where the training form of the route applies (the
-    module's rule, the first copy fused with the causal formula instead of SDPA's kernel: no dtype or scale
-    condition), else None."""
-    if not config.causal_tensor_route or region.captured_sizes or not region.softmax:
-        return None
-    if not python_wrapper_without_graphs():
-        return None
-    *_, rows, columns = region.score_root.meta["val"].shape
-    wheres = [node for node in region.chain if masked_terms(node) is not None]
-    if not wheres or rows != columns or not all(_masks_the_scores(node, region) for node in wheres):
-        return None
-    if len(position_masks(region.chain, region.score_root)[1]) == len(wheres):  # formulas alone: decided when compiling
-        return None
-    return wheres
+    module's rule, the first copy the causal formula's: no SDPA condition), else None."""
+    return _tensor_masks(region) if region.softmax else None
 
 
-def _as_causal_formula(wheres: list[torch.fx.Node]) -> None:
-    """Each ``where`` (a copy's) masks where ``n > m``: its condition replaced by that formula over iotas (written
-    ``~(n <= m)`` where the fill is the true branch, as ``masked_fill(~causal, -inf)`` is), broadcast to the
-    condition's shape."""
+def _as_causal_formula(wheres: list[torch.fx.Node], rows: int) -> bool:
+    """Each ``where`` (a copy's) masks where ``n > m`` over ``rows`` rows and columns: its condition replaced by that
+    formula over iotas (written ``~(n <= m)`` where the fill is the true branch, as ``masked_fill(~causal, -inf)``
+    is), broadcast as the condition was; False (a copy left unusable) where the ``where`` would change shape."""
     for where in wheres:
         condition = where.args[0]
         value = condition.meta["val"]
-        graph, rows = where.graph, value.shape[-2]
+        shape = list(torch.broadcast_shapes(value.shape, (rows, rows)))
+        others = [arg.meta["val"].shape for arg in where.args[1:] if isinstance(arg, torch.fx.Node)]
+        if tuple(torch.broadcast_shapes(shape, *others)) != tuple(where.meta["val"].shape):
+            return False
+        graph = where.graph
         kwargs = dict(start=0, step=1, dtype=torch.int64, device=value.device, requires_grad=False)
         with graph.inserting_before(where), torch._guards.detect_fake_mode([value]) or contextlib.nullcontext():
             positions = call_op(graph, prims.iota.default, (rows,), kwargs)
@@ -214,27 +212,21 @@ def _as_causal_formula(wheres: list[torch.fx.Node]) -> None:
             formula = call_op(graph, aten.le.Tensor, (columns, row_positions))  # kept: n <= m
             if fill_is_true_branch(where):
                 formula = call_op(graph, aten.bitwise_not.default, (formula,))
-            formula = call_op(graph, aten.expand.default, (formula, list(value.shape)))
+            formula = call_op(graph, aten.expand.default, (formula, shape))
         where.replace_input_with(condition, formula)
+    return True
 
 
-def route_training_when_causal(region: AttentionRegion, matched, wheres: list[torch.fx.Node], fuse_copy) -> bool:
-    """In a joint graph: replace the region and its backward (``matched``) by ``cond``s between their copy whose masks
-    are the causal formula and their copy reading the masks' tensors (``trained_branches``), each fused as a pair on
-    our kernels by ``fuse_copy``, on ``known_causal`` of those tensors; False where the route does not apply."""
-    check = _mask_check(wheres)
+def route_training_when_causal(region: AttentionRegion, matched, fuse_copy) -> Optional[torch.fx.Node]:
+    """In a joint graph: the region and its backward (``matched``) as ``cond``s between their copy whose masks are
+    the causal formula and their copy reading the masks' tensors (``trained_branches.route_pair``), on
+    ``known_causal`` of those tensors; the node standing for the region's output, or None where the route does not
+    apply."""
+    wheres = causal_training_masks(region)
+    check = None if wheres is None else _mask_check(wheres)
     if check is None:
-        return False
-    causal = fused_pair_branch(region, matched, lambda copies: _as_causal_formula([copies[w] for w in wheres]),
-                               lambda copies: fuse_copy(region, matched, copies, sdpa=True))
-    read = fused_pair_branch(region, matched, lambda copies: None,
-                             lambda copies: fuse_copy(region, matched, copies, sdpa=False))
-    if causal is None or read is None:
-        return False
-    (causal_cut, operands), (read_cut, _) = causal, read
+        return None
     inputs, source = check
     rows = region.score_root.meta["val"].shape[-2]
-    flag = shared_check(region.pv.graph, known_causal, (inputs, source, rows), region.pv, region.pv.meta["val"])
-    cuts = {"causal": causal_cut, "causal_mask_read": read_cut}
-    branch_pair_on(flag, cuts, operands, matched.grad_out, region.pv, list(matched.grads))
-    return True
+    return route_pair(region, matched, lambda copies: _as_causal_formula([copies[w] for w in wheres], rows), fuse_copy,
+                      (known_causal, (inputs, source, rows)), ("causal", "causal_mask_read"))

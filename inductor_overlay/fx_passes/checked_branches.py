@@ -122,20 +122,35 @@ def shared_check(graph: torch.fx.Graph, op, args: tuple, user: torch.fx.Node, fa
 
 
 def branch_on(flag: torch.fx.Node, branches: dict[str, torch.fx.GraphModule], operands: list[torch.fx.Node],
-              output: torch.fx.Node, result: torch.Tensor) -> torch.fx.Node:
+              output: torch.fx.Node) -> torch.fx.Node:
     """Replace ``output`` by ``cond(flag, *branches, operands)`` (the branches named by their keys); return the
     node standing for their output."""
-    graph = output.graph
-    for operand in operands:
-        # The branches are compiled for the operands' strides as FX gives them: Inductor would lay out a dense operand
-        # it computes (a pointwise op on a transposed k) as it likes; in the stride order FX gives it, it has them.
-        if operand.op == "call_function":
-            operand.meta["inductor_realize_to_strides"] = True
-    with graph.inserting_before(output):
-        modules = tuple(subgraph(graph, module, name) for name, module in branches.items())
-        cond = graph.call_function(torch.ops.higher_order.cond, (flag, *modules, tuple(operands)))
-        cond.meta["val"] = (result,)
-        routed = graph.call_function(operator.getitem, (cond, 0))
-        routed.meta["val"] = result
+    pin_strides(operands)
+    with output.graph.inserting_before(output):
+        (routed,) = cond_outputs(output.graph, flag, branches, operands)
     output.replace_all_uses_with(routed)
     return routed
+
+
+def pin_strides(operands: list[torch.fx.Node]) -> None:
+    """The branches are compiled for the operands' strides as FX gives them: Inductor would lay out a dense operand
+    it computes (a pointwise op on a transposed k) as it likes; in the stride order FX gives it, it has them."""
+    for operand in operands:
+        if operand.op == "call_function":
+            operand.meta["inductor_realize_to_strides"] = True
+
+
+def cond_outputs(graph: torch.fx.Graph, flag: torch.fx.Node, branches: dict[str, torch.fx.GraphModule],
+                 operands: list[torch.fx.Node]) -> list[torch.fx.Node]:
+    """``cond(flag, *branches, operands)`` at the graph's insertion point (the branches, subgraphs named by their
+    keys, return tuples alike), and a node for each of its outputs."""
+    modules = tuple(subgraph(graph, module, name) for name, module in branches.items())
+    first = next(iter(branches.values()))
+    values = [node.meta["val"] for node in first.graph.find_nodes(op="output")[0].args[0]]
+    cond = graph.call_function(torch.ops.higher_order.cond, (flag, *modules, tuple(operands)))
+    cond.meta["val"] = tuple(values)
+    items = []
+    for index, value in enumerate(values):
+        items.append(graph.call_function(operator.getitem, (cond, index)))
+        items[-1].meta["val"] = value
+    return items
