@@ -433,7 +433,7 @@ def _propagating_below_autograd(tensor: torch.Tensor) -> bool:
 
 def online_softmax_attention_backward(
     q, kt, v, captured, score_chain, decisions, chain_vjp, lse, delta, dense, grad_out, sizes=(), read_vjps=(), gradient_reads=(),
-    unmasked_vjp=None, sink=None, gradient_factor=1.0,
+    unmasked_vjp=None, sink=None, gradient_factor=1.0, programs="both",
 ):
     """The fused backward: the gradients of ``online_softmax_attention`` at ``grad_out`` ``[Z, M, Dv]`` with respect
     to the operands as the scores and output matmuls read them: ``dq [Z, M, D]``, ``dkt [Z, D, N]``, ``dv [Z, N, Dv]``.
@@ -447,13 +447,14 @@ def online_softmax_attention_backward(
     its masks, which the kernel runs on entirely visible tiles. ``sink``: the sink logits the forward's softmax had
     (the kernel reads them through ``lse``; their own gradient is ``sink_gradient``'s). ``gradient_factor``: a
     constant taken out of both derivatives (``logit_scale.fold_gradient_factors``), which the kernel applies to
-    dQ and dK once."""
+    dQ and dK once. ``programs``: "columns" or "rows" where only dKᵀ and dV, or only dQ, are wanted (the others
+    are then not written by the kernel); eagerly all three are computed."""
     z = math.prod(decisions["batch_shape"])
     m, d, n, dv = q.shape[-2], q.shape[-1], kt.shape[-1], v.shape[-1]
     if _propagating_below_autograd(q):
         return online_softmax_attention_backward_fake(
             q, kt, v, captured, score_chain, decisions, chain_vjp, lse, delta, dense, grad_out, sizes, read_vjps,
-            gradient_reads, unmasked_vjp, sink, gradient_factor,
+            gradient_reads, unmasked_vjp, sink, gradient_factor, programs,
         )
     operands = [t.detach().reshape(shape).requires_grad_() for t, shape in ((q, (z, m, d)), (kt, (z, d, n)), (v, (z, n, dv)))]
     with torch.enable_grad():
@@ -519,7 +520,7 @@ def online_softmax_attention_with_lse_fake(q, kt, v, captured, score_chain, deci
 
 def online_softmax_attention_backward_fake(
     q, kt, v, captured, score_chain, decisions, chain_vjp, lse, delta, dense, grad_out, sizes=(), read_vjps=(), gradient_reads=(),
-    unmasked_vjp=None, sink=None, gradient_factor=1.0,
+    unmasked_vjp=None, sink=None, gradient_factor=1.0, programs="both",
 ):
     z = math.prod(decisions["batch_shape"])
     m, d, n, dv = q.shape[-2], q.shape[-1], kt.shape[-1], v.shape[-1]

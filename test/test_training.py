@@ -1352,7 +1352,9 @@ def _causal_with_bias(q, k, v, bias):
 def test_attention_with_frozen_operands_trains_fused(trained):
     """Some of q, k, v and a bias require grad, the others not (k and v of a frozen memory, q alone trained, a bias
     alone): the views of a frozen operand make no autograd node and carry the number of one of the attention's own
-    ops; the attention still trains fused, and every gradient that exists is eager's."""
+    ops; the attention still trains fused, and every gradient that exists is eager's. The backward kernel launches
+    only its row programs (dQ) where k and v are frozen, only its column programs (dKᵀ, dV) where q is, both where
+    a bias's gradient is summed."""
     names = ("q", "k", "v", "bias")
     q, k, v = (torch.randn(1, 2, 64, 16, generator=torch.Generator().manual_seed(i)) for i in range(3))
     operands = [q, k, v, torch.randn(2, 1, 64, generator=torch.Generator().manual_seed(3))]  # a key bias per head
@@ -1367,3 +1369,8 @@ def test_attention_with_frozen_operands_trains_fused(trained):
         if flag:
             testing.assert_close_to_reference(actual, leaf.grad)
     assert_fused_training(code, 2 * 64 * 64)
+    (backward,) = [text for text in testing.triton_kernels(code).values() if "grad_scores" in text]
+    alone = {"q": "the row programs alone", "k": "the column programs alone", "v": "the column programs alone",
+             "k,v": "the column programs alone"}.get(trained)
+    for programs in ("the row programs alone", "the column programs alone"):
+        assert (programs in backward) == (programs == alone), programs

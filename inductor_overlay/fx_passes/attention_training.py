@@ -412,6 +412,7 @@ def _insert_backward(region: AttentionRegion, matched: RegionBackward, fwd: Trai
         both = call_op(graph, ops.online_softmax_attention_backward, (
             q, kt, v, fwd.captured, fwd.subgraphs, fwd.decisions, vjp_node, fwd.lse, delta, dense, grad_out,
             list(region.captured_sizes), read_vjps, [read.as_data() for read in reads], unmasked_vjp, fwd.sink, factor,
+            _kernel_programs(matched, reads),
         ))
         grads = {i: call_op(graph, operator.getitem, (both, i)) for i in range(3)}
         if _sink_index(region) in matched.grads.values():
@@ -421,6 +422,16 @@ def _insert_backward(region: AttentionRegion, matched: RegionBackward, fwd: Trai
             captured = region.captured[read.index]
             grads[3 + read.index] = gradient_of_read(graph, chain, read, partial, captured, score_shape)
         _hand_out(region, matched, grads)
+
+
+def _kernel_programs(matched: RegionBackward, reads: list) -> str:
+    """Which programs the backward kernel runs: its column programs write dKᵀ and dV, its row programs dQ; where the
+    graph wants only one kind (q frozen, or k and v: ``_without_gradient``) and no tensor the chain reads has its
+    gradient summed, only those."""
+    wanted = set(matched.grads.values())
+    if reads or not wanted & {0, 1, 2}:
+        return "both"
+    return "rows" if not wanted & {1, 2} else "columns" if 0 not in wanted else "both"
 
 
 def _softmax_terms(fwd: TrainingForward, grad_out: torch.fx.Node, shape: list) -> tuple[torch.fx.Node, torch.fx.Node]:

@@ -48,11 +48,26 @@ def _grid(z, m, n, meta, *, cdiv):
     return (cdiv(n, meta["BLOCK_N1"]) + cdiv(m, meta["BLOCK_M2"]), z, 1)
 
 
+@SymbolicGridFn
+def _column_grid(z, m, n, meta, *, cdiv):
+    return (cdiv(n, meta["BLOCK_N1"]), z, 1)
+
+
+@SymbolicGridFn
+def _row_grid(z, m, n, meta, *, cdiv):
+    return (cdiv(m, meta["BLOCK_M2"]), z, 1)
+
+
+# Which programs the kernel launches (``ops.online_softmax_attention_backward``'s ``programs``): both kinds, the
+# column programs alone (dKᵀ, dV: q frozen) or the row programs alone (dQ: k and v frozen).
+_GRIDS = {"both": _grid, "columns": _column_grid, "rows": _row_grid}
+
+
 @functools.lru_cache(maxsize=None)
 def backward_template(
     batch_ranks: tuple[int, int, int], masked_tile_code: Optional[str], wide: bool, ids: bool,
     table: Optional[int] = None, captured_grads: tuple = (), positions: Optional[tuple] = None,
-    visible_tile: Optional[tuple] = None, softmax: bool = True, ragged: bool = False,
+    visible_tile: Optional[tuple] = None, softmax: bool = True, ragged: bool = False, programs: str = "both",
 ) -> TritonTemplate:
     """The backward kernel for operands with the given numbers of batch dims (q, kᵀ, v), position-mask test, row
     statistics (``wide``: the row max and sum apart, ``ops.py``) and id-equality mask (``ids``: its row and column
@@ -63,21 +78,23 @@ def backward_template(
     subgraphs of the chain without its masks and of its derivative, and the tests of entirely visible tiles for each
     kind of program (``_visible_tiles``), or None; ``softmax``: False for weights that are the chain's output itself
     (sigmoid attention, (A·B)·C): no row statistics, and the gradient of the logits is dO Vᵀ; ``ragged``: the loops
-    over tiles split where the tiles leave the bounds (``online_softmax_attention._ragged``)."""
+    over tiles split where the tiles leave the bounds (``online_softmax_attention._ragged``); ``programs``: which
+    programs run (``_GRIDS``)."""
     offsets = {f"{name.lower()}_offset": _batch_offset(name, rank) for name, rank in zip(("Q", "KT", "V"), batch_ranks)}
     source = template_files.render(
         "attention_backward.py.jinja", masked_tile=masked_tile_code, wide=wide, ids=ids, table=table,
         captured_grads=[dict(grad) for grad in captured_grads], positions=positions,
-        visible_tile=None if visible_tile is None else dict(visible_tile), softmax=softmax, ragged=ragged, **offsets,
+        visible_tile=None if visible_tile is None else dict(visible_tile), softmax=softmax, ragged=ragged,
+        programs=programs, **offsets,
     )
-    return _template_of(source)
+    return _template_of(source, programs)
 
 
 @functools.lru_cache(maxsize=None)
-def _template_of(source: str) -> TritonTemplate:
+def _template_of(source: str, programs: str) -> TritonTemplate:
     """One template per kernel source (Inductor names must be unique; arguments that render alike share it)."""
     digest = hashlib.sha256(source.encode()).hexdigest()[:10]
-    return TritonTemplate(name=f"flashlight_attention_backward_{digest}", grid=_grid, source=source)
+    return TritonTemplate(name=f"flashlight_attention_backward_{digest}", grid=_GRIDS[programs], source=source)
 
 
 def backward_configs(
@@ -169,7 +186,7 @@ def _partial_buffer(read: dict, batch_shape: list, m, n, device: torch.device):
 @register_lowering(fused_ops.online_softmax_attention_backward, type_promotion_kind=None)
 def online_softmax_attention_backward_lowering(
     q, kt, v, captured, score_chain, decisions, chain_vjp, lse, delta, dense, grad_out, sizes=(), read_vjps=(),
-    gradient_reads=(), unmasked_vjp=None, sink=None, gradient_factor=1.0,
+    gradient_reads=(), unmasked_vjp=None, sink=None, gradient_factor=1.0, programs="both",
 ):
     # (A sink needs nothing here: its column is in the forward's row statistics, and it meets no V.)
     chain = fused_ops.chain_from_arguments(score_chain, decisions)
@@ -268,7 +285,7 @@ def online_softmax_attention_backward_lowering(
                  for dim, size in (("M", m), ("N", n)))
     template = backward_template(
         ranks, masked_tile, chain.wide_logits, chain.id_graph_modules is not None, table, captured_grads, positions,
-        visible_tile, chain.softmax, ragged,
+        visible_tile, chain.softmax, ragged, programs,
     )
     for config in configs:
         error = template.maybe_append_choice(
