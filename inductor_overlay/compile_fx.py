@@ -44,7 +44,7 @@ def _unfused(gm: torch.fx.GraphModule, example_inputs: Any) -> torch.fx.GraphMod
 
     from inductor_overlay import ops
 
-    gm = _without_checked_conds(gm)
+    gm = _with_branches_unfused(gm)
     if not any(node.op == "call_function" and node.target in ops.FAKE_IMPLS for node in gm.graph.nodes):
         return gm
     inputs = list(example_inputs)
@@ -69,40 +69,32 @@ def _holds_overlay_ops(module: Any) -> bool:
     )
 
 
-def _without_checked_conds(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
-    """``gm`` with each ``cond`` a checked route put in a graph that trains (its branches hold overlay ops) replaced
-    by its second branch, inlined: the copy that reads the tensors as the program does, right whatever the check
-    answers (``fx_passes/trained_branches.py``)."""
-    conds = [node for node in gm.graph.nodes if node.target is torch.ops.higher_order.cond
-             and any(_holds_overlay_ops(getattr(gm, arg.target)) for arg in node.args[1:3])]
-    if not conds:
+def _with_branches_unfused(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """``gm`` with the branches of each checked route's ``cond`` (``checked_branches.cond_outputs``) that hold overlay
+    ops traced into the aten ops of their meaning, the ``cond`` kept: the forward and the backward graphs fall back
+    one at a time, and each must still take the branch the other took (the flag the forward saved)."""
+    conds = [node for node in gm.graph.nodes if node.meta.get("flashlight_route")]
+    branches = {arg.target for node in conds for arg in node.args[1:3] if _holds_overlay_ops(getattr(gm, arg.target))}
+    if not branches:
         return gm
     gm = _clone_graph_module(gm)
-    for node in [n for n in gm.graph.nodes if n.target is torch.ops.higher_order.cond and n.name in {c.name for c in conds}]:
-        branch = getattr(gm, node.args[2].target)
-        with gm.graph.inserting_before(node):
-            outputs = _inline(gm, branch, list(node.args[3]))
-        for user in list(node.users):
-            user.replace_all_uses_with(outputs[user.args[1]])
-            gm.graph.erase_node(user)
-        gm.graph.erase_node(node)
-    gm.graph.eliminate_dead_code()
+    for name in branches:
+        setattr(gm, name, _traced_meaning(getattr(gm, name)))
     gm.recompile()
     return gm
 
 
-def _inline(gm: torch.fx.GraphModule, branch: torch.fx.GraphModule, operands: list) -> list:
-    """``branch``'s nodes copied into ``gm``'s graph at the insertion point, reading ``operands``; its outputs. Its
-    subgraphs (get_attr) become ``gm``'s own."""
-    env = dict(zip(branch.graph.find_nodes(op="placeholder"), operands))
-    for node in branch.graph.nodes:
-        if node.op == "get_attr":
-            name = f"{branch._get_name()}_{node.target}_{len(gm._modules)}"
-            gm.add_submodule(name, getattr(branch, node.target))
-            env[node] = gm.graph.get_attr(name)
-        elif node.op == "call_function":
-            env[node] = gm.graph.node_copy(node, env.__getitem__)
-    return [env[value] for value in branch.graph.find_nodes(op="output")[0].args[0]]
+def _traced_meaning(branch: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """``branch`` traced, node by node, into the aten ops its nodes mean, at its inputs' fake values."""
+    from torch._inductor.decomposition import select_decomp_table
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    values = [node.meta["val"] for node in branch.graph.find_nodes(op="placeholder")]
+    mode = torch._guards.detect_fake_mode(values) or torch._subclasses.FakeTensorMode()
+    with mode:
+        inputs = [torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device=v.device) for v in values]
+        return make_fx(lambda *args: torch.fx.Interpreter(branch).run(*args),
+                       decomposition_table=select_decomp_table())(*inputs)
 
 
 def _post_grad_pass_config(overlay_on: bool) -> dict[str, Any]:

@@ -285,25 +285,6 @@ def test_positions_changed_in_place_between_steps_are_read_until_checked_again(a
     assert answers["checks"] == 3
 
 
-def test_a_fault_in_a_routed_backward_falls_back_to_the_copy_that_reads_the_positions(monkeypatch, answers):
-    """When the backward graph of a routed attention fails to compile, it is compiled again on upstream's path with
-    each route's ``cond`` replaced by its copy that reads the positions (right whatever the check answers), traced
-    into the aten ops of its meaning: every step's gradients stay eager's."""
-    from torch._inductor import lowering
-
-    from inductor_overlay import ops
-
-    def broken(*args, **kwargs):
-        raise RuntimeError("injected backward fault")
-
-    monkeypatch.setitem(lowering.lowerings, ops.online_softmax_attention_backward, broken)
-    fn, args = trained_form("forms_sliding_window", "captured_positions")
-    with pytest.warns(UserWarning, match="injected backward fault"):
-        train_calls(fn, args, 3, fault_containment=True)
-    assert counters["inductor"]["flashlight_attention_arange_route"] == 1
-    assert counters["inductor"]["flashlight_fault_fallback"] == 1
-
-
 POSITIONS_96 = torch.arange(96)  # made once
 
 

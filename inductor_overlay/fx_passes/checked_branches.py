@@ -149,6 +149,7 @@ def cond_outputs(graph: torch.fx.Graph, flag: torch.fx.Node, branches: dict[str,
     values = [node.meta["val"] for node in first.graph.find_nodes(op="output")[0].args[0]]
     cond = graph.call_function(torch.ops.higher_order.cond, (flag, *modules, tuple(operands)))
     cond.meta["val"] = tuple(values)
+    cond.meta["flashlight_route"] = True  # (its branches hold overlay ops: compile_fx's fallback traces them)
     items = []
     for index, value in enumerate(values):
         items.append(graph.call_function(operator.getitem, (cond, index)))

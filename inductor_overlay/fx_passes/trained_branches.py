@@ -53,7 +53,9 @@ def route_pair(region: AttentionRegion, matched, rewrite: Callable, fuse_copy: C
                                lambda copies: fuse_copy(region, matched, copies, sdpa=False))
     if first is None or second is None:
         return None
-    (first_cut, operands), (second_cut, _) = first, second
+    (first_cut, operands), (second_cut, second_operands) = first, second
+    if second_operands != operands:
+        return None  # (both copies are made from the same nodes: this does not happen)
     flag = shared_check(region.pv.graph, *check, region.pv, region.pv.meta["val"])
     flag.meta["recompute"] = CheckpointPolicy.MUST_SAVE  # a check again in the backward could answer otherwise
     return branch_pair_on(flag, dict(zip(names, (first_cut, second_cut))), operands, region.pv, list(matched.grads))
@@ -196,7 +198,8 @@ def branch_pair_on(flag: torch.fx.Node, cuts: dict[str, Cut], operands: list[tor
         )
     graph = output.graph
     forward_operands = [operands[i] for i in forward_reads]
-    pin_strides([*forward_operands, *(operands[i] for i in backward_reads), operands[-1]])
+    if len(handed_out) != len(first.gradients):
+        raise ValueError("the copy hands out other values than the region's backward")
     with graph.inserting_before(output):
         values = cond_outputs(graph, flag, forwards, forward_operands)
         result, saved = _result(graph, first, slots[0], values) if replayed else (values[0], values[1:])
@@ -204,6 +207,7 @@ def branch_pair_on(flag: torch.fx.Node, cuts: dict[str, Cut], operands: list[tor
     position = {node: index for index, node in enumerate(graph.nodes)}
     with graph.inserting_before(max([result, *backward_operands], key=position.__getitem__).next):
         gradients = cond_outputs(graph, flag, backwards, backward_operands)
+    pin_strides([*forward_operands, *(operands[i] for i in backward_reads), operands[-1]])
     output.replace_all_uses_with(result)
     for value, gradient in zip(handed_out, gradients, strict=True):
         value.replace_all_uses_with(gradient)

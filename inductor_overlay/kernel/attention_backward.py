@@ -93,7 +93,7 @@ def backward_template(
 @functools.lru_cache(maxsize=None)
 def _template_of(source: str, programs: str) -> TritonTemplate:
     """One template per kernel source (Inductor names must be unique; arguments that render alike share it)."""
-    digest = hashlib.sha256(source.encode()).hexdigest()[:10]
+    digest = hashlib.sha256(f"{programs}\n{source}".encode()).hexdigest()[:10]
     return TritonTemplate(name=f"flashlight_attention_backward_{digest}", grid=_GRIDS[programs], source=source)
 
 
