@@ -77,19 +77,24 @@ def test_positions_that_hold_arange_run_the_in_function_kernel(family, form, ans
     assert len(fused_kernels(code)) == 2
 
 
+def reversed_then_restored(position, reversed_at, restored_at):
+    """A ``before_call`` that reverses ``position`` in place before call ``reversed_at`` and makes it 0, 1, ...
+    again before call ``restored_at``."""
+
+    def before_call(call):
+        if call == reversed_at:
+            position.copy_(position.flip(0))
+        if call == restored_at:
+            position.copy_(torch.arange(position.numel()))
+
+    return before_call
+
+
 def test_positions_changed_in_place_are_read_until_checked_again(answers):
     """Captured positions reversed between calls 3 and 6, then made consecutive again: the calls after each write
     read them (every result eager's), and the iota branch answers again only once a new check has passed."""
     fn, args = the_form("forms_sliding_window", "captured_positions")
-    position = MADE_ONCE["forms_sliding_window"]["position"]
-
-    def before_call(call):
-        if call == 3:
-            position.copy_(position.flip(0))
-        if call == 6:
-            position.copy_(torch.arange(position.numel()))
-
-    run_calls(fn, args, 9, before_call)
+    run_calls(fn, args, 9, reversed_then_restored(MADE_ONCE["forms_sliding_window"]["position"], 3, 6))
     assert answers["answers"] == [False, True, True, False, False, False, False, True, True]
     assert answers["checks"] == 3
 
@@ -272,15 +277,7 @@ def test_positions_changed_in_place_between_steps_are_read_until_checked_again(a
     """Captured positions reversed between steps 2 and 4, then made consecutive again: the steps after each write
     read them, forward and backward (every result and gradient eager's), until a new check has passed."""
     fn, args = trained_form("forms_softcap_window", "captured_positions")
-    position = MADE_ONCE["forms_softcap_window"]["position"]
-
-    def before_call(call):
-        if call == 2:
-            position.copy_(position.flip(0))
-        if call == 4:
-            position.copy_(torch.arange(position.numel()))
-
-    train_calls(fn, args, 6, before_call)
+    train_calls(fn, args, 6, reversed_then_restored(MADE_ONCE["forms_softcap_window"]["position"], 2, 4))
     assert answers["answers"] == [False, True, False, False, False, True]
     assert answers["checks"] == 3
 

@@ -186,12 +186,6 @@ def route_when_causal(region: AttentionRegion, wheres: list[torch.fx.Node], fuse
     return branch_on(flag, {"causal_sdpa": sdpa_branch, "causal_fused": fused_branch}, operands, output)
 
 
-def causal_training_masks(region: AttentionRegion) -> Optional[list[torch.fx.Node]]:
-    """In a joint graph: the ``where`` nodes of the region's masks where the training form of the route applies (the
-    module's rule, the first copy the causal formula's: no SDPA condition), else None."""
-    return _tensor_masks(region) if region.softmax else None
-
-
 def _as_causal_formula(wheres: list[torch.fx.Node], rows: int) -> bool:
     """Each ``where`` (a copy's) masks where ``n > m`` over ``rows`` rows and columns: its condition replaced by that
     formula over iotas (written ``~(n <= m)`` where the fill is the true branch, as ``masked_fill(~causal, -inf)``
@@ -222,7 +216,7 @@ def route_training_when_causal(region: AttentionRegion, matched, fuse_copy) -> O
     the causal formula and their copy reading the masks' tensors (``trained_branches.route_pair``), on
     ``known_causal`` of those tensors; the node standing for the region's output, or None where the route does not
     apply."""
-    wheres = causal_training_masks(region)
+    wheres = _tensor_masks(region) if region.softmax else None  # (the module's rule without SDPA's conditions)
     check = None if wheres is None else _mask_check(wheres)
     if check is None:
         return None

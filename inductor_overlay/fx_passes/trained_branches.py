@@ -202,7 +202,8 @@ def branch_pair_on(flag: torch.fx.Node, cuts: dict[str, Cut], operands: list[tor
         raise ValueError("the copy hands out other values than the region's backward")
     with graph.inserting_before(output):
         values = cond_outputs(graph, flag, forwards, forward_operands)
-        result, saved = _result(graph, first, slots[0], values) if replayed else (values[0], values[1:])
+        result = _result(graph, first, slots[0], values) if replayed else values[0]
+        saved = values if replayed else values[1:]
     backward_operands = [*(operands[i] for i in backward_reads), *saved, operands[-1]]
     position = {node: index for index, node in enumerate(graph.nodes)}
     with graph.inserting_before(max([result, *backward_operands], key=position.__getitem__).next):
@@ -263,13 +264,13 @@ def _result_layout(cut: Cut, slots: list) -> Optional[tuple]:
     return (slot, tuple(value.shape), tuple(value.stride()), value.storage_offset() - source.storage_offset())
 
 
-def _result(graph: torch.fx.Graph, first: Cut, slots: list, values: list) -> tuple[torch.fx.Node, list]:
+def _result(graph: torch.fx.Graph, first: Cut, slots: list, values: list) -> torch.fx.Node:
     """The output made from the forward cond's slots by the first version's views (the same view in both)."""
     env = dict(zip(slots, values))
     result = env[first.result_source]
     for view in first.result_views:
         result = env[view] = graph.node_copy(view, env.__getitem__)
-    return result, values
+    return result
 
 
 def _module(cut: Cut, inputs: list, outputs: list, layouts: list) -> torch.fx.GraphModule:
