@@ -87,9 +87,11 @@ class Family:
 
 def _forms(family: Family) -> dict[str, Callable[..., Tensor]]:
     """The idioms of one family: positions (and slopes) made in the forward, made once outside, or registered as
-    buffers; with a mask, the mask precomputed and sliced (the buffer's ``[:, :, :T, :T] == 0``, GPT-2's form) or
-    passed in as an argument (``keep``); for ALiBi, a precomputed per-head bias ``[H, 1, N]`` passed in (BLOOM's form,
-    which drops the per-row term of ``n − m``: the softmax is the same)."""
+    buffers; with a mask, the mask precomputed and sliced (the buffer's ``[:, :, :T, :T] == 0``, nanoGPT's form; or
+    filling ``finfo.min`` where it is false, Hugging Face's GPT-2), passed in as an argument (``keep``), or passed in
+    as an additive float mask ``[1, 1, M, N]`` of 0 and ``finfo.min`` (Hugging Face's 4-D masks); for ALiBi, a
+    precomputed per-head bias ``[H, 1, N]`` passed in (BLOOM's form, which drops the per-row term of ``n − m``: the
+    softmax is the same)."""
     made = lambda: MADE_ONCE[family.name]  # noqa: E731
 
     def in_function(q, k, v, **_):
@@ -123,7 +125,18 @@ def _forms(family: Family) -> dict[str, Callable[..., Tensor]]:
             scores = family.transform(q @ k.transpose(-2, -1) * _scale(q))
             return family.masked(scores, ~keep, q.dtype) @ v
 
-        forms.update(sliced_buffer_mask=sliced_buffer_mask, mask_passed_in=mask_passed_in)
+        def finfo_min_buffer(q, k, v, **_):
+            scores = family.transform(q @ k.transpose(-2, -1) * _scale(q))
+            keep = made()["module"].mask[:, :, : q.shape[-2], : k.shape[-2]]
+            lowest = torch.full([], torch.finfo(scores.dtype).min, dtype=scores.dtype, device=scores.device)
+            return family.masked(torch.where(keep, scores, lowest), None, q.dtype) @ v
+
+        def additive_mask_passed_in(q, k, v, additive, **_):
+            scores = family.transform(q @ k.transpose(-2, -1) * _scale(q))
+            return family.masked(scores + additive, None, q.dtype) @ v
+
+        forms.update(sliced_buffer_mask=sliced_buffer_mask, mask_passed_in=mask_passed_in,
+                     finfo_min_buffer=finfo_min_buffer, additive_mask_passed_in=additive_mask_passed_in)
     return forms
 
 
@@ -144,6 +157,9 @@ def _made_once(family: Family) -> Callable[..., dict]:
             passed["bias"] = slopes[:, None, None] * position[None, None, :]
         if family.keep is not None:
             passed["keep"] = family.keep(position[:, None], position[None, :])
+            lowest = torch.finfo(dtype).min
+            passed["additive"] = torch.zeros(passed["keep"].shape, device=device, dtype=dtype).masked_fill(
+                ~passed["keep"], lowest)[None, None]
         return passed
 
     return extras

@@ -75,7 +75,8 @@ def assert_both_branches(code):
     assert counters["inductor"]["flashlight_attention_causal_route"] == 1
 
 
-@pytest.mark.parametrize("form", ["sliced_buffer_mask", "captured_positions", "registered_buffer", "mask_passed_in"])
+@pytest.mark.parametrize("form", ["sliced_buffer_mask", "captured_positions", "registered_buffer", "mask_passed_in",
+                                  "finfo_min_buffer", "additive_mask_passed_in"])
 def test_a_causal_mask_from_tensors_runs_as_sdpa_from_its_check_on(form, answers):
     """First call: the tensors are new, fused. Second: the check runs (at once on the CPU) and SDPA answers. Then
     SDPA, with no further check."""
@@ -206,6 +207,78 @@ def test_a_minus_inf_where_off_the_score_path_takes_no_route(fn):
     testing.assert_close_to_reference(out, reference(fn, q, k, v, keep))
 
 
+def added(q, k, v, bias):
+    return torch.softmax(q @ k.transpose(-2, -1) * 0.25 + bias, dim=-1) @ v
+
+
+def additive_causal(case: str) -> torch.Tensor:
+    """Float masks of the causal mask: ``nn.Transformer``'s (-inf above the diagonal, ``[M, M]``) or Hugging
+    Face's ``[B, 1, M, M]`` of bf16 ``finfo.min``; and masks that are not: a batch entry whose first four keys are
+    padding (rows 0-3 keep no key: eager averages V there), a fill of -1e4 (not low enough to absorb), a bias below
+    the diagonal (an ALiBi-like slope with the causal -inf)."""
+    rows = SHAPE.M
+    if case == "transformer":
+        return torch.nn.Transformer.generate_square_subsequent_mask(rows, dtype=torch.bfloat16)
+    lowest = torch.finfo(torch.bfloat16).min
+    masked = ~torch.ones(rows, rows, dtype=torch.bool).tril()
+    bias = torch.zeros(2, 1, rows, rows).masked_fill(masked, lowest)
+    if case == "padded":
+        bias[1, ..., :4] = lowest
+    elif case == "not_absorbing":
+        bias = bias.masked_fill(masked, -1e4)
+    elif case == "sloped":
+        positions = torch.arange(rows, dtype=torch.float32)
+        bias = (0.5 * (positions[None, :] - positions[:, None])).masked_fill(masked, float("-inf"))
+    return bias.bfloat16()
+
+
+@pytest.mark.parametrize("case", ["transformer", "hf_4d"])
+def test_an_additive_causal_mask_runs_as_sdpa_from_its_check_on(case, answers):
+    """A float mask added to the scores whose every element is 0 on and below the diagonal and absorbing above it
+    (-inf, ``finfo.min``) is the causal mask: SDPA from its check on."""
+    q, k, v = (torch.randn(2, 2, SHAPE.M, 16, dtype=torch.bfloat16) for _ in range(3))
+    bias = additive_causal(case)
+    code = run_calls(lambda q, k, v: added(q, k, v, bias), (q, k, v), 3)
+    assert_both_branches(code)
+    assert answers["answers"] == [False, True, True] and answers["checks"] == 1
+
+
+@pytest.mark.parametrize("case", ["padded", "not_absorbing", "sloped"])
+def test_an_additive_mask_that_is_not_causal_stays_fused(case, answers):
+    q, k, v = (torch.randn(2, 2, SHAPE.M, 16, dtype=torch.bfloat16) for _ in range(3))
+    bias = additive_causal(case)
+    code = run_calls(lambda q, k, v: added(q, k, v, bias), (q, k, v), 3)
+    assert_both_branches(code)
+    assert answers["answers"] == [False] * 3 and answers["checks"] == 1
+
+
+def filled_with(fill):
+    def attention(q, k, v, keep):
+        scores = q @ k.transpose(-2, -1) * 0.25
+        return torch.softmax(torch.where(keep, scores, fill), dim=-1) @ v
+
+    return attention
+
+
+@pytest.mark.parametrize("training", [False, True])
+def test_a_fill_that_may_not_absorb_takes_no_route(training):
+    """A finite fill above ``ABSORBING_FILL`` (-1e30; float16's ``finfo.min``, -65504, likewise) is not proven to
+    add exactly 0 to a row's sums: its ``where`` counts as no mask, and the region takes no route."""
+    from test.test_training import train_calls
+
+    q, k, v = (torch.randn(1, 2, 64, 16, dtype=torch.float32 if training else torch.bfloat16) for _ in range(3))
+    keep = torch.ones(64, 64, dtype=torch.bool).tril()
+    fill = filled_with(-1e30)
+    fn = lambda q, k, v: fill(q, k, v, keep)  # noqa: E731
+    if training:
+        code = train_calls(fn, tuple(t.requires_grad_() for t in (q, k, v)), 2)
+    else:
+        with testing.cpu_triton(), config.patch(**ROUTE):
+            out, code = testing.compile_and_get_code(fn, q, k, v)
+        testing.assert_close_to_reference(out, reference(fn, q, k, v))
+    FileCheck().check_not("known_causal").run("\n".join(code))
+
+
 def two_layers_one_mask(q, k, v, keep):
     first = torch.softmax((q @ k.transpose(-2, -1) / 4.0).masked_fill(~keep, float("-inf")), dim=-1) @ v
     return torch.softmax((first @ k.transpose(-2, -1) / 4.0).masked_fill(~keep, float("-inf")), dim=-1) @ v
@@ -261,7 +334,8 @@ def trained_causal_form(form, keep=None):
     return (lambda q, k, v: variant.reference(q, k, v, **extras)), tuple(t.requires_grad_() for t in (q, k, v))
 
 
-@pytest.mark.parametrize("form", ["sliced_buffer_mask", pytest.param("mask_passed_in", marks=pytest.mark.full)])
+@pytest.mark.parametrize("form", ["sliced_buffer_mask", "additive_mask_passed_in",
+                                  pytest.param("mask_passed_in", marks=pytest.mark.full)])
 def test_a_causal_mask_from_tensors_trains_on_the_causal_formula_once_checked(form, answers):
     """In training the forward and the backward each run under a ``cond`` on one check: from the second step, the
     copies whose mask is the causal formula, whose kernels are the in-function causal form's training kernels byte
@@ -280,6 +354,33 @@ def test_a_causal_mask_from_tensors_trains_on_the_causal_formula_once_checked(fo
     in_function, in_function_args = trained_causal_form("in_function")
     reference_kernels = fused_kernels(train_calls(in_function, in_function_args, 1))
     assert len(reference_kernels) == 2 and reference_kernels <= fused_kernels(code)
+
+
+def test_hf_gpt2s_finite_fill_trains_on_the_causal_formula_once_checked(answers):
+    """Hugging Face's GPT-2 fills ``finfo.min`` where its sliced buffer is false: once the buffer is checked causal,
+    every row keeps its own key and the fill absorbs, so the copy with the causal formula trains; eager's gradients
+    at every step."""
+    from test.test_training import train_calls
+
+    fn, args = trained_causal_form("finfo_min_buffer")
+    text = "\n".join(train_calls(fn, args, 3))
+    FileCheck().check("def causal_forward_0").check("def causal_mask_read_forward_0").run(text)
+    assert answers["answers"] == [False, True, True]
+    assert counters["inductor"]["flashlight_attention_causal_route"] == 1
+
+
+def test_a_learned_additive_mask_takes_no_route(answers):
+    """A float mask that requires grad gets its gradient from the kernel that reads it: no route (the causal copy
+    would not compute it)."""
+    from test.test_training import train_calls
+
+    q, k, v = (torch.randn(2, 2, SHAPE.M, 16) for _ in range(3))
+    bias = additive_causal("transformer").float()
+    args = tuple(t.requires_grad_() for t in (q, k, v, bias))
+    text = "\n".join(train_calls(added, args, 2))
+    FileCheck().check_not("known_causal").run(text)
+    assert counters["inductor"]["flashlight_attention_causal_route"] == 0
+    assert counters["inductor"]["flashlight_attention_fused_for_training"] == 1
 
 
 @pytest.mark.parametrize("case", ["written_in_place", "prefix"])

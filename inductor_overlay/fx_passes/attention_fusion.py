@@ -31,7 +31,7 @@ from inductor_overlay.fx_passes.block_sparsity import (
 from inductor_overlay.fx_passes.block_sparsity import _COPIES, _DIM_VIEWS
 from inductor_overlay.fx_passes.block_sparsity import is_op as _is
 from inductor_overlay.fx_passes.arange_positions_route import arange_positions, route_when_arange
-from inductor_overlay.fx_passes.causal_tensor_route import causal_mask_call, route_when_causal
+from inductor_overlay.fx_passes.causal_tensor_route import causal_route_masks, route_when_causal
 from inductor_overlay.fx_passes.finite_speculation import MAX_BOUND, guard_only_nodes, speculation_bound
 from inductor_overlay.fx_passes.logit_scale import fold_constant_scale
 from inductor_overlay.fx_passes.sdpa_route import replace_by_sdpa, sdpa_call
@@ -496,8 +496,8 @@ def fuse_attention(graph: torch.fx.Graph, routes: tuple = ("arange", "causal")) 
             log.info("attention at %s runs as if the positions its chain reads were built with arange while they "
                      "hold 0, 1, ..., reading them otherwise", pv.name)
             continue
-        causal = causal_mask_call(outcome) if "causal" in routes else None
-        if causal is not None and _routed(route_when_causal, outcome, causal[1], _fuse_branch):
+        masks = causal_route_masks(outcome) if "causal" in routes else None
+        if masks is not None and _routed(route_when_causal, outcome, masks, _fuse_branch):
             counters["inductor"]["flashlight_attention_causal_route"] += 1
             log.info("attention at %s runs as SDPA's causal attention while the tensors its masks read hold the "
                      "causal mask, else fused", pv.name)

@@ -434,23 +434,44 @@ def absorbing_fill_masks(
     (each filling with -inf or a constant), dtype conversions and positive constant factors, every finite fill
     reaches the softmax at most ABSORBING_FILL, and some key ``n*`` (0, the row's own position, N - 1) is kept for
     every row, checked row by row."""
+    found = _absorbing_fills(chain, scores, logits, logit_scale, positions_only=True)
+    if found is None or not _every_row_keeps_a_key(sympy.Or(*found[1]), *scores.meta["val"].shape[-2:]):
+        return frozenset()
+    return found[0]
+
+
+def fills_absorbing_where_rows_keep_keys(
+    chain: list[torch.fx.Node], scores: torch.fx.Node, logits: torch.fx.Node, logit_scale: float
+) -> frozenset:
+    """The ``where`` nodes of the chain whose finite fill counts as -inf wherever every row keeps a key: the rule of
+    ``absorbing_fill_masks`` with masks of any condition computed without the scores, and no proof that rows keep
+    keys (a run-time check of the masks' tensors gives it: ``causal_tensor_route``)."""
+    found = _absorbing_fills(chain, scores, logits, logit_scale, positions_only=False)
+    return frozenset() if found is None else found[0]
+
+
+def _absorbing_fills(
+    chain: list[torch.fx.Node], scores: torch.fx.Node, logits: torch.fx.Node, logit_scale: float, positions_only: bool
+) -> Optional[tuple[frozenset, list]]:
+    """The finite fills that reach the softmax at most ABSORBING_FILL, on a chain of masks (of positions alone where
+    ``positions_only``), dtype conversions and positive constant factors, with the masks' formulas; None otherwise."""
     rows, columns = scores.meta["val"].shape[-2:]
     if not (isinstance(rows, int) and isinstance(columns, int)):
-        return frozenset()
+        return None
     memo: dict = {}
     on_path = [node for node in chain if depends_on(node, scores, memo)]
     step, source, finite, formulas = {}, {}, [], []
     for node in on_path:
         inputs = [arg for arg in node.all_input_nodes if arg is scores or arg in step]
         if len(inputs) != 1 or node.op != "call_function":
-            return frozenset()
+            return None
         source[node] = inputs[0]
         terms = masked_terms(node, frozenset([node]))
         if terms is not None:
             known = _known_terms(terms)
-            if len(known) != len(terms) or depends_on(node.args[0], scores, memo):
-                return frozenset()
-            formulas.append(sympy.Or(*known))
+            if (positions_only and len(known) != len(terms)) or depends_on(node.args[0], scores, memo):
+                return None
+            formulas.append(sympy.Or(*known) if known else sympy.false)
             fill = constant_value(node.args[1] if fill_is_true_branch(node) else node.args[2])
             step[node] = 1.0
             if fill != -math.inf:
@@ -461,19 +482,17 @@ def absorbing_fill_masks(
             factor = positive_scalar(node.args[1])
             step[node] = factor if node.target is aten.mul.Tensor else 1.0 / factor
         else:
-            return frozenset()
+            return None
     if not finite or logits not in step:
-        return frozenset()
+        return None
     after = {logits: logit_scale}  # the factor each on-path value is multiplied by before the softmax
     for node in reversed(on_path):
         if node not in after or source[node] in after:
-            return frozenset()  # off the path to the logits, or a value used twice on it
+            return None  # off the path to the logits, or a value used twice on it
         after[source[node]] = after[node] * step[node]
     if any(fill * after[node] > ABSORBING_FILL for node, fill in finite):
-        return frozenset()
-    if not _every_row_keeps_a_key(sympy.Or(*formulas), rows, columns):
-        return frozenset()
-    return frozenset(node for node, _ in finite)
+        return None
+    return frozenset(node for node, _ in finite), formulas
 
 
 def _is_constant_scaling(node: torch.fx.Node, value: torch.fx.Node) -> bool:
@@ -603,9 +622,25 @@ _SCALING = (aten.mul.Tensor, aten.div.Tensor, prims.convert_element_type.default
 
 
 def matched_additive_mask(chain: list[torch.fx.Node], logits: torch.fx.Node, scores: torch.fx.Node) -> Optional[AdditiveMask]:
-    """The chain's additive mask (``AdditiveMask``), or None. The add must be the last op on the score
-    path (up to dtype conversions), and every op before it a dtype conversion or a product with a constant: any
-    other mask or transform on that path could make a row's largest bias a poor witness that the row keeps a key."""
+    """The chain's additive mask (``AdditiveMask``), or None: a bias added on the score path as ``additive_bias``
+    finds it, broadcast over the rows or shared by the heads."""
+    found = additive_bias(chain, logits, scores)
+    if found is None:
+        return None
+    add, _, bias = found
+    value, score_shape = bias.meta["val"], scores.meta["val"].shape
+    heads = score_shape[-3] if len(score_shape) >= 3 else 1
+    shared_by_heads = isinstance(heads, int) and heads != 1 and (value.dim() < 3 or value.shape[-3] == 1)
+    return AdditiveMask(add, bias) if value.shape[-2] == 1 or shared_by_heads else None
+
+
+def additive_bias(
+    chain: list[torch.fx.Node], logits: torch.fx.Node, scores: torch.fx.Node
+) -> Optional[tuple[torch.fx.Node, torch.fx.Node, torch.fx.Node]]:
+    """The add of a floating-point bias ``[..., M or 1, N]`` (static sizes) to the scores, the add's side computed
+    from the scores, and the bias (its expands taken off), or None. The add must be the last op on the score path (up to dtype conversions), and every op
+    before it a dtype conversion or a product with a constant: any other mask or transform on that path could make
+    a row's largest bias a poor witness that the row keeps a key."""
     rows, columns = scores.meta["val"].shape[-2:]
     add = logits
     while is_op(add, prims.convert_element_type.default):
@@ -627,7 +662,7 @@ def matched_additive_mask(chain: list[torch.fx.Node], logits: torch.fx.Node, sco
             return None  # scaled by a tensor
     while is_op(bias, aten.expand.default):
         bias = bias.args[0]
-    value, score_shape = bias.meta.get("val"), scores.meta["val"].shape
+    value = bias.meta.get("val")
     if not (
         isinstance(value, torch.Tensor)
         and value.is_floating_point()
@@ -637,9 +672,7 @@ def matched_additive_mask(chain: list[torch.fx.Node], logits: torch.fx.Node, sco
         and value.shape[-2] in (1, rows)
     ):
         return None
-    heads = score_shape[-3] if len(score_shape) >= 3 else 1
-    shared_by_heads = isinstance(heads, int) and heads != 1 and (value.dim() < 3 or value.shape[-3] == 1)
-    return AdditiveMask(add, bias) if value.shape[-2] == 1 or shared_by_heads else None
+    return add, on_path[0], bias
 
 
 def is_op(node: object, targets: object) -> bool:

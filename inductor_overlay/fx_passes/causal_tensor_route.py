@@ -28,6 +28,7 @@ one check. Only where the graph's code runs in Python outside CUDA graphs.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 from typing import Optional
 
@@ -36,9 +37,12 @@ import torch
 from inductor_overlay import config
 from inductor_overlay.fx_passes.attention_region import AttentionRegion, find_attention
 from inductor_overlay.fx_passes.block_sparsity import (
+    ABSORBING_BIAS_GAP,
+    additive_bias,
     depends_on,
     fill_is_true_branch,
     fills_a_score,
+    fills_absorbing_where_rows_keep_keys,
     masked_terms,
     position_masks,
 )
@@ -54,13 +58,7 @@ from inductor_overlay.fx_passes.checked_branches import (
 )
 from inductor_overlay.fx_passes.fx_helpers import call_op, prims
 from inductor_overlay.fx_passes.trained_branches import route_pair
-from inductor_overlay.fx_passes.sdpa_route import (
-    SdpaCall,
-    _logical_shape,
-    replace_by_sdpa,
-    scale_apart_from,
-    sdpa_layout,
-)
+from inductor_overlay.fx_passes.sdpa_route import _logical_shape, replace_by_sdpa, sdpa_call, sdpa_layout
 from inductor_overlay.mask_checks import CHECK_GLOBALS, known_causal
 
 aten = torch.ops.aten
@@ -73,30 +71,53 @@ aten = torch.ops.aten
 MIN_WORK = 2**35
 
 
-def causal_mask_call(region: AttentionRegion) -> Optional[tuple[SdpaCall, list[torch.fx.Node]]]:
-    """SDPA's causal call for ``region`` and the ``where`` nodes of its masks, when it is SDPA's causal attention
-    exactly where the masks' conditions hold ``n > m`` (see the module's rule), and those conditions read tensors
-    the graph is given."""
-    layout = sdpa_layout(region)
-    wheres = _tensor_masks(region) if layout is not None and attention_work(region) >= MIN_WORK else None
-    if wheres is None:
+@dataclasses.dataclass(frozen=True)
+class CausalMasks:
+    """What masks a region's logits where tensors the graph is given say so: ``where`` nodes, or one bias added to
+    the scores (``additive_bias``), whose elements count as masked at most ``absorbing``."""
+
+    wheres: tuple = ()
+    bias: Optional[tuple[torch.fx.Node, torch.fx.Node, torch.fx.Node]] = None  # the add, its scores' side, the bias
+    absorbing: float = -ABSORBING_BIAS_GAP
+
+
+def causal_route_masks(region: AttentionRegion) -> Optional[CausalMasks]:
+    """The region's masks when it is SDPA's causal attention exactly where they mask ``n > m`` (see the module's
+    rule) and they read tensors the graph is given, with work enough for SDPA's kernel to pay (``MIN_WORK``)."""
+    if sdpa_layout(region) is None or attention_work(region) < MIN_WORK:
         return None
-    scale = scale_apart_from(region, wheres)
-    return None if scale is None else (SdpaCall(scale, True, *layout), wheres)
+    return _tensor_masks(region)
 
 
-def _tensor_masks(region: AttentionRegion) -> Optional[list[torch.fx.Node]]:
-    """The ``where`` nodes of the region's masks where each masks the scores as the rule says and some read tensors
-    the graph is given, over a square score matrix, with the switch on and the graph's code in Python; else None."""
+def _tensor_masks(region: AttentionRegion) -> Optional[CausalMasks]:
+    """The region's masks where each masks the scores as the rule says and some read tensors the graph is given,
+    over a square score matrix, with the switch on and the graph's code in Python; else None."""
     if not config.causal_tensor_route or region.captured_sizes or not python_wrapper_without_graphs():
         return None
     *_, rows, columns = region.score_root.meta["val"].shape
-    wheres = [node for node in region.chain if masked_terms(node) is not None]
-    if not wheres or rows != columns or not all(_masks_the_scores(node, region) for node in wheres):
+    if rows != columns:
         return None
-    if len(position_masks(region.chain, region.score_root)[1]) == len(wheres):  # formulas alone: decided when compiling
+    fills = fills_absorbing_where_rows_keep_keys(region.chain, region.score_root, region.logits, region.logit_scale)
+    wheres = [node for node in region.chain if masked_terms(node, fills) is not None]
+    if not wheres:
+        return _additive_mask(region)
+    if not all(_masks_the_scores(node, region) for node in wheres):
         return None
-    return wheres
+    if len(position_masks(region.chain, region.score_root, fills)[1]) == len(wheres):  # decided when compiling
+        return None
+    return CausalMasks(tuple(wheres))
+
+
+def _additive_mask(region: AttentionRegion) -> Optional[CausalMasks]:
+    """A bias ``[..., M, N]`` added to the scores as ``additive_bias`` finds it (HF's 4-D ``finfo.min`` masks,
+    ``nn.Transformer``'s float masks), read from tensors the graph is given: masked where it lies
+    ``ABSORBING_BIAS_GAP`` below 0 in the softmax's units. Where the check finds it 0 on and below the diagonal and
+    that low above it, every row keeps its own key with bias 0, its row's largest, and the keys above it add exactly
+    0 to every sum, as -inf's do."""
+    found = additive_bias(region.chain, region.logits, region.score_root)
+    if found is None or found[2].meta["val"].shape[-2] == 1:
+        return None
+    return CausalMasks(bias=found, absorbing=-ABSORBING_BIAS_GAP / min(1.0, region.logit_scale))
 
 
 def attention_work(region: AttentionRegion) -> int:
@@ -112,9 +133,10 @@ def _masks_the_scores(where: torch.fx.Node, region: AttentionRegion) -> bool:
     return fills_a_score(where, scores, frozenset(region.chain), memo) and not depends_on(where.args[0], scores, memo)
 
 
-def _mask_check(wheres: list[torch.fx.Node]) -> Optional[tuple[list[torch.fx.Node], str]]:
-    """The graph inputs the masks' conditions read and the Python source of ``forward(self, *inputs)``, which
-    computes where the logits are -inf from them; None when a condition reads no input or runs a random op."""
+def _mask_check(masks: CausalMasks) -> Optional[tuple[list[torch.fx.Node], str]]:
+    """The graph inputs the masks read and the Python source of ``forward(self, *inputs)``, which computes from them
+    where the logits are masked (for a bias: 0 where it is 0, 1 where it absorbs, 2 elsewhere, which no causal
+    element equals); None when a mask reads no input or runs a random op."""
     graph = torch.fx.Graph()
     env: dict = {}
     inputs: list[torch.fx.Node] = []
@@ -137,8 +159,8 @@ def _mask_check(wheres: list[torch.fx.Node]) -> Optional[tuple[list[torch.fx.Nod
         return env[node]
 
     try:
-        masked = None
-        for where in wheres:
+        masked = None if masks.bias is None else _bias_states(graph, copy(masks.bias[2]), masks.absorbing)
+        for where in masks.wheres:
             condition = copy(where.args[0])
             if not fill_is_true_branch(where):
                 condition = graph.call_function(aten.bitwise_not.default, (condition,))
@@ -154,19 +176,30 @@ def _mask_check(wheres: list[torch.fx.Node]) -> Optional[tuple[list[torch.fx.Nod
     return inputs, code.src
 
 
-def _as_sdpa(pv: torch.fx.Node) -> bool:
-    """Rewrite the attention ending at ``pv`` (a branch's copy of the region) into SDPA's causal call, derived from
-    the copy itself."""
-    copied = find_attention(pv)
-    found = causal_mask_call(copied) if isinstance(copied, AttentionRegion) else None
-    return found is not None and replace_by_sdpa(copied, found[0]) is not None
+def _bias_states(graph: torch.fx.Graph, bias: torch.fx.Node, absorbing: float) -> torch.fx.Node:
+    """``(bias != 0) · (2 − (bias <= absorbing))`` as int8: 0 where the bias is 0, 1 where it absorbs, 2 where it is
+    neither (NaN too)."""
+    nonzero = graph.call_function(aten.ne.Scalar, (bias, 0))
+    low = graph.call_function(aten.le.Scalar, (bias, absorbing))
+    as_int8 = [graph.call_function(prims.convert_element_type.default, (flag, torch.int8)) for flag in (nonzero, low)]
+    return graph.call_function(aten.mul.Tensor, (as_int8[0], graph.call_function(aten.rsub.Scalar, (as_int8[1], 2))))
 
 
-def route_when_causal(region: AttentionRegion, wheres: list[torch.fx.Node], fuse_branch) -> Optional[torch.fx.Node]:
+def _as_sdpa(copies: dict, masks: CausalMasks, rows: int, pv: torch.fx.Node) -> bool:
+    """Rewrite the attention ending at ``pv`` (a branch's copy of the region; ``copies`` maps its nodes) into SDPA's
+    causal call: its masks made the causal formula (``_as_causal_formula``), the call derived from the copy then."""
+    if not _as_causal_formula(copies, masks, rows):
+        return False
+    copied = find_attention(copies[pv])
+    call = sdpa_call(copied) if isinstance(copied, AttentionRegion) else None
+    return call is not None and call.is_causal and replace_by_sdpa(copied, call) is not None
+
+
+def route_when_causal(region: AttentionRegion, masks: CausalMasks, fuse_branch) -> Optional[torch.fx.Node]:
     """Replace the region by a ``cond`` between SDPA's causal kernel and the fused kernel (``fuse_branch``, run on
     the second branch's graph) on ``known_causal`` of its masks' tensors; return the node standing for the
     branches' output, or None (the region left as it was)."""
-    check = _mask_check(wheres)
+    check = _mask_check(masks)
     if check is None:
         return None
     output = branch_output(region)
@@ -174,7 +207,8 @@ def route_when_causal(region: AttentionRegion, wheres: list[torch.fx.Node], fuse
     if first is None or second is None:
         return None
     (sdpa_branch, operands, copies), (fused_branch, _, fused_copies) = first, second
-    if not _as_sdpa(copies[region.pv]):
+    rows = region.score_root.meta["val"].shape[-2]
+    if not _as_sdpa(copies, masks, rows, region.pv):
         return None
     fuse_branch(fused_branch.graph)
     if not getattr(fused_copies[region.pv], "_erased", False):
@@ -186,29 +220,51 @@ def route_when_causal(region: AttentionRegion, wheres: list[torch.fx.Node], fuse
     return branch_on(flag, {"causal_sdpa": sdpa_branch, "causal_fused": fused_branch}, operands, output)
 
 
-def _as_causal_formula(wheres: list[torch.fx.Node], rows: int) -> bool:
-    """Each ``where`` (a copy's) masks where ``n > m`` over ``rows`` rows and columns: its condition replaced by that
-    formula over iotas (written ``~(n <= m)`` where the fill is the true branch, as ``masked_fill(~causal, -inf)``
-    is), broadcast as the condition was; False (a copy left unusable) where the ``where`` would change shape."""
-    for where in wheres:
+def _as_causal_formula(copies: dict, masks: CausalMasks, rows: int) -> bool:
+    """The copies of the masks made the causal formula over ``rows`` rows and columns: each ``where``'s condition
+    replaced by it, a bias's add by a -inf ``where`` of it on the scores; False (a copy left unusable) where a
+    ``where`` would change shape."""
+    if masks.bias is not None:
+        _causal_where_for_bias(copies[masks.bias[0]], copies[masks.bias[1]], rows)
+    for where in (copies[where] for where in masks.wheres):
         condition = where.args[0]
         value = condition.meta["val"]
         shape = list(torch.broadcast_shapes(value.shape, (rows, rows)))
         others = [arg.meta["val"].shape for arg in where.args[1:] if isinstance(arg, torch.fx.Node)]
         if tuple(torch.broadcast_shapes(shape, *others)) != tuple(where.meta["val"].shape):
             return False
-        graph = where.graph
-        kwargs = dict(start=0, step=1, dtype=torch.int64, device=value.device, requires_grad=False)
-        with graph.inserting_before(where), torch._guards.detect_fake_mode([value]) or contextlib.nullcontext():
-            positions = call_op(graph, prims.iota.default, (rows,), kwargs)
-            columns = call_op(graph, aten.unsqueeze.default, (positions, 0))
-            row_positions = call_op(graph, aten.unsqueeze.default, (positions, 1))
-            formula = call_op(graph, aten.le.Tensor, (columns, row_positions))  # kept: n <= m
-            if fill_is_true_branch(where):
-                formula = call_op(graph, aten.bitwise_not.default, (formula,))
-            formula = call_op(graph, aten.expand.default, (formula, shape))
+        with where.graph.inserting_before(where), _fake_mode_of(value):
+            formula = _causal_formula(where.graph, rows, value.device, fill_is_true_branch(where), shape)
         where.replace_input_with(condition, formula)
     return True
+
+
+def _causal_formula(graph: torch.fx.Graph, rows: int, device: torch.device, masked: bool, shape: list) -> torch.fx.Node:
+    """``n <= m`` over iotas (``~(n <= m)`` where ``masked``, as ``masked_fill(~causal, -inf)`` writes it), expanded
+    to ``shape``."""
+    kwargs = dict(start=0, step=1, dtype=torch.int64, device=device, requires_grad=False)
+    positions = call_op(graph, prims.iota.default, (rows,), kwargs)
+    columns = call_op(graph, aten.unsqueeze.default, (positions, 0))
+    row_positions = call_op(graph, aten.unsqueeze.default, (positions, 1))
+    formula = call_op(graph, aten.le.Tensor, (columns, row_positions))  # kept: n <= m
+    if masked:
+        formula = call_op(graph, aten.bitwise_not.default, (formula,))
+    return call_op(graph, aten.expand.default, (formula, shape))
+
+
+def _causal_where_for_bias(add: torch.fx.Node, scores: torch.fx.Node, rows: int) -> None:
+    """``scores + bias`` (a copy's) replaced by ``where(~(n <= m), -inf, scores)`` in the add's dtype and shape."""
+    value = add.meta["val"]
+    graph = add.graph
+    with graph.inserting_before(add), _fake_mode_of(value):
+        if scores.meta["val"].dtype != value.dtype:
+            scores = call_op(graph, prims.convert_element_type.default, (scores, value.dtype))
+        formula = _causal_formula(graph, rows, value.device, True, list(value.shape))
+        fill = call_op(graph, aten.full.default, ([], -math.inf), dict(dtype=value.dtype, device=value.device,
+                                                                        pin_memory=False))
+        masked = call_op(graph, aten.where.self, (formula, fill, scores))
+    add.replace_all_uses_with(masked)
+    graph.erase_node(add)  # (the scores' other use would keep the region from being found)
 
 
 def route_training_when_causal(region: AttentionRegion, matched, fuse_copy) -> Optional[torch.fx.Node]:
@@ -216,11 +272,17 @@ def route_training_when_causal(region: AttentionRegion, matched, fuse_copy) -> O
     the causal formula and their copy reading the masks' tensors (``trained_branches.route_pair``), on
     ``known_causal`` of those tensors; the node standing for the region's output, or None where the route does not
     apply."""
-    wheres = _tensor_masks(region) if region.softmax else None  # (the module's rule without SDPA's conditions)
-    check = None if wheres is None else _mask_check(wheres)
+    masks = _tensor_masks(region) if region.softmax else None  # (the module's rule without SDPA's conditions)
+    if masks is not None and masks.bias is not None and any(index >= 3 for index in matched.grads.values()):
+        return None  # a tensor the chain reads is learned: the causal copy would not give its gradient
+    check = None if masks is None else _mask_check(masks)
     if check is None:
         return None
     inputs, source = check
     rows = region.score_root.meta["val"].shape[-2]
-    return route_pair(region, matched, lambda copies: _as_causal_formula([copies[w] for w in wheres], rows), fuse_copy,
+    return route_pair(region, matched, lambda copies: _as_causal_formula(copies, masks, rows), fuse_copy,
                       (known_causal, (inputs, source, rows)), ("causal", "causal_mask_read"))
+
+
+def _fake_mode_of(value: torch.Tensor):
+    return torch._guards.detect_fake_mode([value]) or contextlib.nullcontext()
