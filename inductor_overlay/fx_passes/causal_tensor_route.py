@@ -2,27 +2,35 @@
 the causal mask, on the overlay's fused kernel otherwise.
 
 Legality. A region that ``sdpa_route`` would give SDPA but for its masks (a constant scale, a square score matrix,
-fp16/bf16, the operands SDPA reads) whose every mask is a ``where`` on the score path that fills -inf where a
-condition computed without the scores says so (and whose chain has no other -inf ``where``), computes exactly
-``scaled_dot_product_attention(q, k, v, is_causal=True, scale=s)`` whenever the OR of those conditions is
-``n > m`` for every batch entry, and exactly what it computes otherwise on the fused kernel. The graph cannot know
-which: the conditions read tensors made outside it (a registered ``tril`` buffer sliced to the length, positions
-made once, a mask passed in). So the region becomes
+fp16/bf16, the operands SDPA reads) computes exactly ``scaled_dot_product_attention(q, k, v, is_causal=True,
+scale=s)`` whenever its masks mask exactly ``n > m`` for every batch entry, and exactly what it computes otherwise
+on the fused kernel. Its masks are either
+- every ``where`` on the score path that fills where a condition computed without the scores says so, with -inf or
+  with a finite constant that absorbs wherever every row keeps a key (``fills_absorbing_where_rows_keep_keys``:
+  Hugging Face GPT-2's ``where(bias[..., :T, :T], w, finfo.min)``), the chain having no other -inf ``where``; they
+  mask where the OR of their conditions holds, which then keeps each row's own key; or
+- one float bias ``[..., M, M]`` added to the scores as the last op on their path (``additive_bias``: Hugging Face's
+  4-D masks, ``nn.Transformer``'s float masks), which masks ``n > m`` when it is 0 on and below the diagonal (each
+  row's largest bias, at its own key) and ``ABSORBING_BIAS_GAP`` or more below 0 above it (in the softmax's units).
+The graph cannot know which: the masks read tensors made outside it (a registered ``tril`` buffer sliced to the
+length, positions made once, a mask passed in). So the region becomes
 ``torch.cond(known_causal(tensors), sdpa_branch, fused_branch, operands)``, where ``mask_checks.known_causal``
-answers on the host from checks it ran, on the device, on earlier calls with the same tensors at the same version.
-Both branches are copies of the region's own nodes: the first rewritten by ``sdpa_route.replace_by_sdpa``, the second
-fused as any region is; SDPA's call is derived from the first copy, whose operands are the region's as the graph
-computes them (a constant on q already applied). A region whose conditions read no tensor the graph is given
-(positions built in the graph, which ``sdpa_route`` decides at compile time) or read one through a random op is
-left to the fused kernel alone. Regions of one graph whose masks read the same tensors the same way share one check.
+answers on the host from checks it ran, on the device, on earlier calls with the same tensors at the same version
+(for a bias, of its elements' states: 0, absorbing, or neither, which never matches). Both branches are copies of
+the region's own nodes: the first with its masks made the causal formula (each condition replaced by ``~(n <= m)``
+over iotas, a bias's add by a -inf ``where`` of it), then rewritten by ``sdpa_route.replace_by_sdpa`` as the
+in-function causal form is; the second fused as any region is. A region whose masks read no tensor the graph is
+given (positions built in the graph, which ``sdpa_route`` decides at compile time) or read one through a random op
+is left to the fused kernel alone. Regions of one graph whose masks read the same tensors the same way share one
+check.
 
-In training (a joint graph, ``route_training_when_causal``) the rule needs no SDPA: every mask's condition is
-replaced by the causal formula ``~(n <= m)`` over iotas in the first copy, which then computes what the region does
-wherever the OR of the conditions is ``n > m`` (each fill is -inf and stays -inf to the logits, so the region's
-logit is -inf exactly where some condition holds). That copy, the region's forward and backward together, is fused
-as the in-function causal form is (on SDPA's forward and backward kernels where SDPA takes it, else on ours), the
-second copy reading the masks; ``trained_branches`` puts the forward and the backward each under a ``cond`` on the
-one check. Only where the graph's code runs in Python outside CUDA graphs.
+In training (a joint graph, ``route_training_when_causal``) the rule needs no SDPA: the first copy, its masks made
+the causal formula, computes what the region does wherever the check holds (a logit masked, by -inf or an absorbing
+fill, adds exactly 0 to its row's sums either way), and its backward the region's gradients, as long as no tensor
+the chain reads is learned where the mask is a bias (the copy would not compute that gradient). That copy, the
+region's forward and backward together, is fused as the in-function causal form is (on SDPA's forward and backward
+kernels where SDPA takes it, else on ours), the second copy reading the masks; ``trained_branches`` puts the forward
+and the backward each under a ``cond`` on the one check. Only where the graph's code runs in Python outside CUDA graphs.
 """
 
 from __future__ import annotations
