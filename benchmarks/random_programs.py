@@ -178,7 +178,20 @@ def make_inputs(p: Program) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]
     extras["row_positions"], extras["col_positions"] = _read_positions(p)
     if p.mask == "bool_tensor" and p.keep_rows != "random":
         extras["keep"] = _interval_rows(p)
+    if _causal_additive(p):
+        fill = float("-inf") if _causal_additive(p) == "-inf" else torch.finfo(p.dtype).min
+        extras["additive"] = torch.zeros(p.M, p.N).masked_fill(torch.ones(p.M, p.N).tril() == 0, fill).to(p.dtype)
     return [q, k, v], extras
+
+
+def _causal_additive(p: Program) -> str:
+    """For half the programs with an additive mask over square scores, drawn from a stream of their own: the causal
+    mask, filled with "-inf" or "finfo.min" (as ``nn.Transformer``'s and Hugging Face's 4-D masks are), which the
+    causal route takes, and in training not learned; else ""."""
+    if p.mask != "additive_tensor" or p.M != p.N:
+        return ""
+    draw = float(torch.rand((), generator=torch.Generator().manual_seed(p.seed + 4_000_037)))
+    return "" if draw < 0.5 else "-inf" if draw < 0.75 else "finfo.min"
 
 
 def _interval_rows(p: Program) -> torch.Tensor:
@@ -407,7 +420,8 @@ def check(p: Program, device: str = "cpu", training: bool = False, dynamic: bool
         made = {}
         for name, t in extras.items():
             t = t.detach().to(dtype if dtype is not None and t.is_floating_point() else t.dtype).to(to or t.device)
-            made[name] = t.requires_grad_() if training and name in LEARNED else t
+            learned = name in LEARNED and not (name == "additive" and _causal_additive(p))
+            made[name] = t.requires_grad_() if training and learned else t
         return made
 
     from torch._inductor.utils import fresh_cache
@@ -415,10 +429,11 @@ def check(p: Program, device: str = "cpu", training: bool = False, dynamic: bool
     counters = torch._dynamo.utils.counters
     counters.clear()
     torch._dynamo.reset()
-    # Programs that read positions from tensors (and, in training, a boolean mask tensor) are called three times with
-    # the same tensors: the first call reads them, the second starts the checked routes' check, the third runs the
-    # branch the check chose (at once on the CPU).
-    calls = 3 if p.read_positions != "none" or (training and p.mask == "bool_tensor") else 1
+    # Programs that read positions from tensors (and, in training, a boolean mask tensor or a causal additive mask)
+    # are called three times with the same tensors: the first call reads them, the second starts the checked routes'
+    # check, the third runs the branch the check chose (at once on the CPU).
+    masks_checked = p.mask == "bool_tensor" or _causal_additive(p)
+    calls = 3 if p.read_positions != "none" or (training and masks_checked) else 1
     outs = []
     if device == "cpu":
         with testing.cpu_triton(), fresh_cache():

@@ -75,7 +75,8 @@ def _check_function(source: str) -> Callable[..., torch.Tensor]:
 
 def _start_check(sighting: _Sighting, tensors: list, source: str, rows: int) -> None:
     """Evaluate the mask and compare it with ``n > m`` (where SDPA's causal kernel masks), a slab of rows at a time,
-    on the tensors' device, without waiting for the answer."""
+    on the tensors' device, without waiting for the answer. The mask is boolean, or the int8 states of an additive
+    mask (0 zero, 1 absorbing, 2 neither: a 2 equals neither True nor False, so it never matches)."""
     with torch.no_grad():
         masked = _check_function(source)(*tensors)
         masked = masked.reshape((1,) * (2 - masked.dim()) + tuple(masked.shape))  # a row or a scalar: broadcast

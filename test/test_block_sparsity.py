@@ -592,6 +592,43 @@ def test_additive_finfo_min_key_padding_gets_a_table():
     testing.assert_close_to_reference(out[2], v[2].double().mean(-2, keepdim=True).expand_as(out[2]))
 
 
+def finfo_min_fill(q, k, v, keep):
+    """A boolean mask filled with ``finfo.min`` (Hugging Face's GPT-2 and BART idiom), softmax in float32."""
+    scores = q @ k.transpose(-2, -1) / q.shape[-1] ** 0.5
+    lowest = torch.full([], torch.finfo(scores.dtype).min, dtype=scores.dtype)
+    return torch.softmax(torch.where(keep, scores, lowest), dim=-1) @ v
+
+
+@pytest.mark.parametrize("case", ["key_padding", "window"])
+def test_a_finite_fill_skips_only_cells_whose_rows_keep_a_key(case):
+    """A mask tensor filled with ``finfo.min`` gets a table: tiles it masks entirely are skipped (poisoned values
+    there never reach the output) where every row of the tile keeps a key; a row that keeps none (a batch entry
+    with every key padded; a window's row 40 emptied) gets the mean of V over every key, as in eager."""
+    q = torch.randn(3, 2, 70, 16)
+    k, v = (torch.randn(3, 2, 100, 16) for _ in range(2))
+    poisoned = v.clone()
+    if case == "key_padding":
+        keep = (torch.arange(100)[None, :] < torch.tensor([40, 100, 0])[:, None])[:, None, None, :]
+        poisoned[0, :, 64:] = float("nan")
+    else:
+        rows, columns = torch.arange(70)[:, None], torch.arange(100)[None, :]
+        keep = ((columns <= rows) & (rows - columns < 8)).expand(3, 1, 70, 100).clone()
+        keep[2, :, 40] = False
+        poisoned[:2, :, 96:] = float("nan")
+    with testing.cpu_triton():
+        out, code = testing.compile_and_get_code(finfo_min_fill, q, k, poisoned, keep)
+    kernel = next(text for text in testing.triton_kernels(code).values() if "for start_n in range(" in text)
+    FileCheck().check("cell_states = ").check("| (table_lo == 2) | (n_lo >= N)").run(kernel)
+    expected = finfo_min_fill(q.double(), k.double(), v.double(), keep)
+    assert not out.isnan().any() and not expected.isnan().any()
+    testing.assert_close_to_reference(out, expected)
+    mean = v[2].double().mean(-2)  # [H, D]
+    if case == "key_padding":
+        testing.assert_close_to_reference(out[2], mean[:, None, :].expand_as(out[2]))
+    else:
+        testing.assert_close_to_reference(out[2, :, 40], mean)
+
+
 def _bias_then_softcap(q, k, v, attention_mask):
     bias = (1.0 - attention_mask[:, None, None, :].to(q.dtype)) * torch.finfo(q.dtype).min
     return torch.softmax(30 * torch.tanh((q @ k.transpose(-1, -2) + bias) / 30), dim=-1) @ v

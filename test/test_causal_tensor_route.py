@@ -243,6 +243,31 @@ def test_an_additive_causal_mask_runs_as_sdpa_from_its_check_on(case, answers):
     assert answers["answers"] == [False, True, True] and answers["checks"] == 1
 
 
+def test_hf_decoder_mask_without_padding_runs_as_sdpa(answers):
+    """Hugging Face's decoder mask built in the graph from a ``[B, N]`` padding mask: with no key padded it is the
+    causal mask, checked from the padding mask's values."""
+    from benchmarks.variants import hf_causal_padding_4d
+
+    q, k, v = (torch.randn(2, 2, SHAPE.M, 16, dtype=torch.bfloat16) for _ in range(3))
+    attention_mask = torch.ones(2, SHAPE.M, dtype=torch.long)
+    code = run_calls(lambda q, k, v: hf_causal_padding_4d(q, k, v, attention_mask), (q, k, v), 3)
+    assert_both_branches(code)
+    assert answers["answers"] == [False, True, True]
+
+
+def test_an_add_with_alpha_takes_no_route(answers):
+    """``torch.add(scores, bias, alpha=-1)`` adds the negated mask: no route (it would take -inf for +finfo.min)."""
+    q, k, v = (torch.randn(2, 2, SHAPE.M, 16, dtype=torch.bfloat16) for _ in range(3))
+    bias = additive_causal("hf_4d")
+
+    def negated(q, k, v):
+        return torch.softmax(torch.add(q @ k.transpose(-2, -1) * 0.25, bias, alpha=-1), dim=-1) @ v
+
+    code = run_calls(negated, (q, k, v), 2)
+    FileCheck().check_not("known_causal").run("\n".join(code))
+    assert answers["checks"] == 0
+
+
 @pytest.mark.parametrize("case", ["padded", "not_absorbing", "sloped"])
 def test_an_additive_mask_that_is_not_causal_stays_fused(case, answers):
     q, k, v = (torch.randn(2, 2, SHAPE.M, 16, dtype=torch.bfloat16) for _ in range(3))

@@ -22,6 +22,8 @@ from inductor_overlay.fx_passes.block_sparsity import (
     absorbing_fill_masks,
     depends_on,
     fill_is_true_branch,
+    fills_absorbing_where_rows_keep_keys,
+    masked_terms,
     matched_additive_mask,
     matched_id_masks,
     matched_tensor_masks,
@@ -164,6 +166,20 @@ def _logits_may_near_float_max(region: AttentionRegion, absorbing_fills: frozens
     return any(isinstance(c, float) and 2.0**64 <= abs(c) < math.inf for c in constants)
 
 
+def _lone_finite_fill(region: AttentionRegion) -> frozenset:
+    """The chain's only mask, when it is a ``where`` of one term whose finite fill absorbs wherever every row keeps a
+    key (``fills_absorbing_where_rows_keep_keys``: Hugging Face GPT-2's ``where(bias, w, finfo.min)``, a padding mask
+    filled with ``finfo.min``); else nothing. Its table skips only the cells whose rows each keep a key
+    (``TensorMask.rows_keep_keys``): with no other mask, such a row's largest logit is a kept key's."""
+    if not region.softmax:
+        return frozenset()
+    fills = fills_absorbing_where_rows_keep_keys(region.chain, region.score_root, region.logits, region.logit_scale)
+    masks = [node for node in region.chain if masked_terms(node, fills) is not None]
+    if len(fills) != 1 or set(masks) != fills or len(masked_terms(masks[0], fills)) != 1:
+        return frozenset()
+    return fills
+
+
 def _batch_fastest(region: AttentionRegion, score_shape: torch.Size) -> int:
     """The leading batch dim's size when the chain reads score-sized tensors and all of them are shared along it
     (``ScoreChain.batch_fastest``), else 0."""
@@ -274,7 +290,9 @@ def fuse(
     wide_logits = region.softmax and _logits_may_near_float_max(region, fills, guard_only_nodes(region.chain, guards))
     id_mask = _summarised_id_mask(region) if region.softmax and config.block_skipping else None
     summarise_tensors = region.softmax and config.block_skipping and config.mask_tensor_tables
-    tensor_masks = matched_tensor_masks(region.chain, region.score_root, reads) if summarise_tensors else []
+    tensor_masks = []
+    if summarise_tensors:
+        tensor_masks = matched_tensor_masks(region.chain, region.score_root, reads, _lone_finite_fill(region))
     tensor_mask = tensor_masks[0] if tensor_masks else None
     additive_mask = None
     if summarise_tensors and tensor_mask is None and id_mask is None and skippable is None:
@@ -283,7 +301,8 @@ def fuse(
     mask_table, mask_rows_alike = None, False
     if tensor_mask is not None or additive_mask is not None:
         mask = tensor_mask or additive_mask
-        key = ("tensor", tensor_mask.term, tensor_mask.negated) if tensor_mask else ("additive", additive_mask.bias)
+        key = ("tensor", tensor_mask.term, tensor_mask.negated, tensor_mask.rows_keep_keys) if tensor_mask else (
+            "additive", additive_mask.bias)
         mask_table = _shared_table(graph, key, lambda: _mask_table(graph, region, mask), anchor)
         mask_rows_alike = _broadcast_over_rows(key[1])
     if mask_table is not None:

@@ -272,7 +272,8 @@ def fill_is_true_branch(where: torch.fx.Node) -> bool:
 def masked_terms(where: torch.fx.Node, fills: frozenset = frozenset()) -> Optional[list[tuple[object, bool]]]:
     """For ``where(cond, -inf, x)`` (or ``where(cond, x, -inf)``), terms whose OR is exactly where the logit is set
     to -inf, each as (node, negated): ``~(a & b)`` gives [(a, True), (b, True)]. The ``where`` nodes in ``fills``
-    count as well with their finite constant fill (``absorbing_fill_masks``). None for any other node."""
+    count as well with their finite constant fill (``absorbing_fill_masks``, ``fills_absorbing_where_rows_keep_keys``).
+    None for any other node."""
     if where.op != "call_function" or where.target is not aten.where.self:
         return None
     condition, if_true, if_false = where.args
@@ -566,19 +567,24 @@ class TensorMask:
     term: torch.fx.Node  # the boolean tensor; the logit is -inf where it is true (``negated``: where it is false)
     negated: bool
     alone: bool  # the term is the mask's only one: where no cell of a tile masks, the mask keeps the tile whole
+    # The fill is finite (``finfo.min``) and absorbs only in rows that keep a key: a cell counts as all masked only
+    # where each of its rows keeps one (a row that keeps none averages V over every key in eager).
+    rows_keep_keys: bool = False
 
 
 def matched_tensor_masks(
-    chain: list[torch.fx.Node], scores: torch.fx.Node, reads: Optional[PositionReads] = None
+    chain: list[torch.fx.Node], scores: torch.fx.Node, reads: Optional[PositionReads] = None,
+    finite_fills: frozenset = frozenset(),
 ) -> list[TensorMask]:
     """Every -inf mask term that is a boolean tensor of the scores' last two dims, or of their columns broadcast
     over the rows (a key-padding mask ``[B, 1, 1, N]``), computed without the scores, that neither a position
-    formula (over ``reads`` too) nor an id summary covers."""
+    formula (over ``reads`` too) nor an id summary covers; the ``where`` nodes in ``finite_fills`` count with their
+    finite fill (``TensorMask.rows_keep_keys``)."""
     rows, columns = scores.meta["val"].shape[-2:]
     static_rows = isinstance(rows, int)
     found, memo, links = [], {}, frozenset(chain)
     for node in chain:
-        terms = logit_mask_terms(node, scores, links, memo) or []
+        terms = logit_mask_terms(node, scores, links, memo, finite_fills) or []
         for term, negated in terms:
             value = term.meta.get("val") if isinstance(term, torch.fx.Node) else None
             if (
@@ -592,7 +598,8 @@ def matched_tensor_masks(
                 and _id_sides(term, negated, scores) is None
                 and not depends_on(term, scores, {})
             ):
-                found.append(TensorMask(node, term, negated, alone=len(terms) == 1))
+                alone = len(terms) == 1
+                found.append(TensorMask(node, term, negated, alone=alone, rows_keep_keys=node in finite_fills))
     return found
 
 
@@ -638,14 +645,15 @@ def additive_bias(
     chain: list[torch.fx.Node], logits: torch.fx.Node, scores: torch.fx.Node
 ) -> Optional[tuple[torch.fx.Node, torch.fx.Node, torch.fx.Node]]:
     """The add of a floating-point bias ``[..., M or 1, N]`` (static sizes) to the scores, the add's side computed
-    from the scores, and the bias (its expands taken off), or None. The add must be the last op on the score path (up to dtype conversions), and every op
-    before it a dtype conversion or a product with a constant: any other mask or transform on that path could make
-    a row's largest bias a poor witness that the row keeps a key."""
+    from the scores, and the bias (its expands taken off), or None. The add (with no ``alpha``) must be the last op
+    on the score path (up to dtype conversions), and every op before it a dtype conversion or a product with a
+    constant: any other mask or transform on that path could make a row's largest bias a poor witness that the row
+    keeps a key."""
     rows, columns = scores.meta["val"].shape[-2:]
     add = logits
     while is_op(add, prims.convert_element_type.default):
         add = add.args[0]
-    if not is_op(add, aten.add.Tensor) or not isinstance(rows, int):
+    if not is_op(add, aten.add.Tensor) or add.kwargs.get("alpha", 1) != 1 or not isinstance(rows, int):
         return None
     memo: dict = {}
     sides = [arg for arg in add.args[:2] if isinstance(arg, torch.fx.Node)]

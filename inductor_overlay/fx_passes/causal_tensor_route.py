@@ -11,7 +11,11 @@ on the fused kernel. Its masks are either
   mask where the OR of their conditions holds, which then keeps each row's own key; or
 - one float bias ``[..., M, M]`` added to the scores as the last op on their path (``additive_bias``: Hugging Face's
   4-D masks, ``nn.Transformer``'s float masks), which masks ``n > m`` when it is 0 on and below the diagonal (each
-  row's largest bias, at its own key) and ``ABSORBING_BIAS_GAP`` or more below 0 above it (in the softmax's units).
+  row's largest bias, at its own key) and ``ABSORBING_BIAS_GAP`` or more below 0 above it (in the logits' units and,
+  scaled by the softmax's factor, in the softmax's).
+A fill or bias that absorbs does so for scores of magnitude up to 2^124 (``block_sparsity.ABSORBING_FILL``), as the
+fused kernel's own tile skipping assumes: beyond that, or for a NaN or infinite score above the diagonal, which the
+causal attention never reads, the two may differ.
 The graph cannot know which: the masks read tensors made outside it (a registered ``tril`` buffer sliced to the
 length, positions made once, a mask passed in). So the region becomes
 ``torch.cond(known_causal(tensors), sdpa_branch, fused_branch, operands)``, where ``mask_checks.known_causal``
@@ -86,7 +90,7 @@ class CausalMasks:
 
     wheres: tuple = ()
     bias: Optional[tuple[torch.fx.Node, torch.fx.Node, torch.fx.Node]] = None  # the add, its scores' side, the bias
-    absorbing: float = -ABSORBING_BIAS_GAP
+    absorbing: float = 0.0
 
 
 def causal_route_masks(region: AttentionRegion) -> Optional[CausalMasks]:
@@ -134,8 +138,8 @@ def attention_work(region: AttentionRegion) -> int:
 
 
 def _masks_the_scores(where: torch.fx.Node, region: AttentionRegion) -> bool:
-    """A -inf ``where`` that masks a logit (``block_sparsity.fills_a_score``) where a condition computed without the
-    scores says so."""
+    """A ``where`` (-inf, or a fill that absorbs) that masks a logit (``block_sparsity.fills_a_score``) where a
+    condition computed without the scores says so."""
     memo: dict = {}
     scores = region.score_root
     return fills_a_score(where, scores, frozenset(region.chain), memo) and not depends_on(where.args[0], scores, memo)
@@ -229,12 +233,13 @@ def route_when_causal(region: AttentionRegion, masks: CausalMasks, fuse_branch) 
 
 
 def _as_causal_formula(copies: dict, masks: CausalMasks, rows: int) -> bool:
-    """The copies of the masks made the causal formula over ``rows`` rows and columns: each ``where``'s condition
-    replaced by it, a bias's add by a -inf ``where`` of it on the scores; False (a copy left unusable) where a
-    ``where`` would change shape."""
+    """The copies of the masks made the causal formula over ``rows`` rows and columns: a bias's add replaced by a
+    -inf ``where`` of it on the scores (always possible), each ``where``'s condition by the formula; False (a copy
+    left unusable) where a ``where`` would change shape."""
     if masks.bias is not None:
         _causal_where_for_bias(copies[masks.bias[0]], copies[masks.bias[1]], rows)
-    for where in (copies[where] for where in masks.wheres):
+    for original in masks.wheres:
+        where = copies[original]
         condition = where.args[0]
         value = condition.meta["val"]
         shape = list(torch.broadcast_shapes(value.shape, (rows, rows)))
@@ -281,7 +286,8 @@ def route_training_when_causal(region: AttentionRegion, matched, fuse_copy) -> O
     ``known_causal`` of those tensors; the node standing for the region's output, or None where the route does not
     apply."""
     masks = _tensor_masks(region) if region.softmax else None  # (the module's rule without SDPA's conditions)
-    if masks is not None and masks.bias is not None and any(index >= 3 for index in matched.grads.values()):
+    learned = any(3 <= index < 3 + len(region.captured) for index in matched.grads.values())
+    if masks is not None and masks.bias is not None and learned:
         return None  # a tensor the chain reads is learned: the causal copy would not give its gradient
     check = None if masks is None else _mask_check(masks)
     if check is None:

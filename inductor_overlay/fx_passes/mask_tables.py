@@ -76,7 +76,8 @@ def _tensor_mask_table(graph: torch.fx.Graph, mask: TensorMask) -> torch.fx.Node
     see ``MASK_TABLE_CELL``), once per call; a mask broadcast over the rows (``[*lead, 1, N]``) to one row of
     cells, which the kernel reads for every row tile (expanded). Elements past M or N count as masked for "all
     masked" and as unmasked for "some masked": the kernel masks them by bounds anyway, and never drops its bounds
-    test."""
+    test. Where the mask's fill is finite (``TensorMask.rows_keep_keys``), a cell is all masked only if every row of
+    its rows keeps a key."""
     masked = mask.term if not mask.negated else call_op(graph, aten.logical_not.default, (mask.term,))
     masked = call_op(graph, prims.convert_element_type.default, (masked, torch.int8))
     # Each row's state per cell (0, 1 or 2 as for cells) is one int8 tensor between the two reductions, not two: the
@@ -86,8 +87,18 @@ def _tensor_mask_table(graph: torch.fx.Graph, mask: TensorMask) -> torch.fx.Node
     ))
     some_masked = call_op(graph, aten.gt.Scalar, (_cells(graph, row_states, 0, aten.amax.default), 0))
     all_masked = call_op(graph, aten.eq.Scalar, (_cells(graph, row_states, 2, aten.amin.default), 2))
+    if mask.rows_keep_keys:
+        all_masked = call_op(graph, aten.logical_and.default, (all_masked, _rows_keep_keys(graph, row_states)))
     as_int8 = [call_op(graph, prims.convert_element_type.default, (flag, torch.int8)) for flag in (some_masked, all_masked)]
     return call_op(graph, aten.add.Tensor, tuple(as_int8))
+
+
+def _rows_keep_keys(graph: torch.fx.Graph, row_states: torch.fx.Node) -> torch.fx.Node:
+    """Per cell of rows (``[*lead, ⌈M/c⌉, 1]``), whether each of its rows keeps a key: some cell of the row is not
+    all masked (no cell lies wholly past N; rows past M count as keeping one)."""
+    keeps = call_op(graph, aten.le.Scalar, (call_op(graph, aten.amin.default, (row_states, [-1], True)), 1))
+    keeps = call_op(graph, prims.convert_element_type.default, (keeps, torch.int8))
+    return call_op(graph, aten.eq.Scalar, (_cells(graph, keeps, 1, aten.amin.default), 1))
 
 
 def _additive_mask_table(graph: torch.fx.Graph, mask: AdditiveMask) -> torch.fx.Node:
