@@ -186,8 +186,8 @@ def make_inputs(p: Program) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]
 
 def _causal_additive(p: Program) -> str:
     """For half the programs with an additive mask over square scores, drawn from a stream of their own: the causal
-    mask, filled with "-inf" or "finfo.min" (as ``nn.Transformer``'s and Hugging Face's 4-D masks are), which the
-    causal route takes, and in training not learned; else ""."""
+    mask, filled with "-inf" or "finfo.min" (as ``nn.Transformer``'s and Hugging Face's 4-D masks are), not learned
+    in training, where the causal route takes it (but float16's ``finfo.min``, which does not absorb); else ""."""
     if p.mask != "additive_tensor" or p.M != p.N:
         return ""
     draw = float(torch.rand((), generator=torch.Generator().manual_seed(p.seed + 4_000_037)))

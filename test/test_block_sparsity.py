@@ -629,6 +629,45 @@ def test_a_finite_fill_skips_only_cells_whose_rows_keep_a_key(case):
         testing.assert_close_to_reference(out[2, :, 40], mean)
 
 
+def test_a_finite_fill_trains_on_its_table():
+    """In training the backward reads the same table: a window's mask tensor filled with ``finfo.min``, one row of
+    one batch entry keeping no key; output and gradients are float64 eager's, the backward skipping the table's
+    all-masked tiles too."""
+    from test.test_training import train_calls
+
+    rows, columns = torch.arange(70)[:, None], torch.arange(70)[None, :]
+    keep = ((columns <= rows) & (rows - columns < 8)).expand(2, 1, 70, 70).clone()
+    keep[1, :, 40] = False
+    args = tuple(torch.randn(2, 2, 70, 16).requires_grad_() for _ in range(3))
+    code = train_calls(lambda q, k, v: finfo_min_fill(q, k, v, keep), args, 1, causal_tensor_route=False)
+    (backward,) = [text for text in testing.triton_kernels(code).values() if "grad_scores" in text]
+    FileCheck().check("cell_states = ").run(backward)
+
+
+def alpha_position_mask(q, k, v):
+    rows, columns = torch.arange(q.shape[-2])[:, None], torch.arange(k.shape[-2])[None, :]
+    scores = q @ k.transpose(-2, -1) / 4.0
+    return torch.softmax(torch.where(torch.sub(columns, rows, alpha=2) > 0, float("-inf"), scores), dim=-1) @ v
+
+
+def alpha_negated_bias(q, k, v):
+    rows, columns = torch.arange(q.shape[-2])[:, None], torch.arange(k.shape[-2])[None, :]
+    bias = torch.where(columns > rows, float("-inf"), 0.0)
+    return torch.softmax(torch.add(q @ k.transpose(-2, -1) / 4.0, bias, alpha=-1), dim=-1) @ v
+
+
+@pytest.mark.parametrize("fn", [alpha_position_mask, alpha_negated_bias])
+def test_an_add_or_sub_with_alpha_is_not_read_as_a_plain_sum(fn):
+    """``sub(n, m, alpha=2)`` is n − 2m, not the causal n − m; a -inf bias added with ``alpha=-1`` is +inf (NaN
+    rows, as in eager): neither is a mask the kernel may skip by."""
+    q, k, v = (torch.randn(1, 2, 96, 16) for _ in range(3))
+    with testing.cpu_triton():
+        out, _ = testing.compile_and_get_code(fn, q, k, v)
+    expected = fn(q.double(), k.double(), v.double())
+    assert torch.equal(out.isnan(), expected.isnan())
+    testing.assert_close_to_reference(out, expected)
+
+
 def _bias_then_softcap(q, k, v, attention_mask):
     bias = (1.0 - attention_mask[:, None, None, :].to(q.dtype)) * torch.finfo(q.dtype).min
     return torch.softmax(30 * torch.tanh((q @ k.transpose(-1, -2) + bias) / 30), dim=-1) @ v

@@ -119,6 +119,8 @@ def _value(
         return sympy.sympify(args[1])
     if target is aten.scalar_tensor.default:
         return sympy.sympify(args[0])
+    if node.kwargs.get("alpha", 1) != 1:  # (add or sub scaled: not read as a plain sum)
+        raise Unknown(node)
 
     def operand(arg: object) -> sympy.Basic:
         if not isinstance(arg, torch.fx.Node):
@@ -311,7 +313,7 @@ def _adds_to_scores(value: torch.fx.Node, scores: torch.fx.Node, memo: dict) -> 
             if more is None:
                 return None
             adds += more
-        elif is_op(user, aten.add.Tensor) and any(
+        elif is_op(user, aten.add.Tensor) and user.kwargs.get("alpha", 1) == 1 and any(
             isinstance(arg, torch.fx.Node) and arg is not value and depends_on(arg, scores, memo) for arg in user.args
         ):
             adds.append(user)
@@ -335,6 +337,8 @@ def _minus_inf_in_minus_inf_out(op: torch.fx.Node, value: torch.fx.Node) -> bool
     first = op.args[0]
     if is_op(op, prims.convert_element_type.default):
         return op.args[1].is_floating_point
+    if op.kwargs.get("alpha", 1) != 1:  # an add or sub scaled by alpha (a negative one turns -inf into +inf)
+        return False
     if is_op(op, _VIEWS_OF_SCORES) or is_op(op, aten.add.Tensor):
         return True
     if is_op(op, aten.sub.Tensor):
