@@ -394,6 +394,27 @@ def test_hf_gpt2s_finite_fill_trains_on_the_causal_formula_once_checked(answers)
     assert counters["inductor"]["flashlight_attention_causal_route"] == 1
 
 
+def alibi_then_mask(q, k, v, bias):
+    """BLOOM's order: ALiBi's bias on the scores, then the causal mask added last."""
+    positions = torch.arange(q.shape[-2])
+    slopes = torch.pow(2.0, -torch.arange(1, q.shape[1] + 1, dtype=torch.float32))[:, None, None]
+    scores = q @ k.transpose(-2, -1) * 0.25 + slopes * (positions[None, :] - positions[:, None])
+    return torch.softmax(scores + bias, dim=-1) @ v
+
+
+def test_an_additive_mask_after_other_terms_trains_on_the_causal_formula(answers):
+    """The bias added last to logits the chain computes otherwise (ALiBi's): once checked, the copy with the causal
+    formula trains; eager's gradients at every step."""
+    from test.test_training import train_calls
+
+    bias = additive_causal("hf_4d").float()
+    args = tuple(torch.randn(2, 2, SHAPE.M, 16).requires_grad_() for _ in range(3))
+    text = "\n".join(train_calls(lambda q, k, v: alibi_then_mask(q, k, v, bias), args, 3))
+    FileCheck().check("def causal_forward_0").check("def causal_mask_read_forward_0").run(text)
+    assert answers["answers"] == [False, True, True]
+    assert counters["inductor"]["flashlight_attention_causal_route"] == 1
+
+
 def test_a_learned_additive_mask_takes_no_route(answers):
     """A float mask that requires grad gets its gradient from the kernel that reads it: no route (the causal copy
     would not compute it)."""

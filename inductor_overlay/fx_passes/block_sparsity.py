@@ -646,13 +646,14 @@ def matched_additive_mask(chain: list[torch.fx.Node], logits: torch.fx.Node, sco
 
 
 def additive_bias(
-    chain: list[torch.fx.Node], logits: torch.fx.Node, scores: torch.fx.Node
+    chain: list[torch.fx.Node], logits: torch.fx.Node, scores: torch.fx.Node, scaled_scores_only: bool = True
 ) -> Optional[tuple[torch.fx.Node, torch.fx.Node, torch.fx.Node]]:
     """The add of a floating-point bias ``[..., M or 1, N]`` (static sizes) to the scores, the add's side computed
     from the scores, and the bias (its expands taken off), or None. The add (with no ``alpha``) must be the last op
-    on the score path (up to dtype conversions), and every op before it a dtype conversion or a product with a
-    constant: any other mask or transform on that path could make a row's largest bias a poor witness that the row
-    keeps a key."""
+    on the score path (up to dtype conversions), and, where ``scaled_scores_only``, every op before it a dtype
+    conversion or a product with a constant: any other mask or transform on that path could make a row's largest
+    bias a poor witness that the row keeps a key (a check of the bias's values that finds each row's own key kept
+    needs no such rule: ``causal_tensor_route``)."""
     rows, columns = scores.meta["val"].shape[-2:]
     add = logits
     while is_op(add, prims.convert_element_type.default):
@@ -665,7 +666,7 @@ def additive_bias(
     if len(sides) != 2 or len(on_path) != 1:
         return None
     bias = next(arg for arg in sides if arg is not on_path[0])
-    for node in chain:
+    for node in chain if scaled_scores_only else ():
         if node is add or not depends_on(node, scores, memo) or node.op != "call_function":
             continue
         if node.target not in _SCALING:

@@ -9,13 +9,14 @@ on the fused kernel. Its masks are either
   with a finite constant that absorbs wherever every row keeps a key (``fills_absorbing_where_rows_keep_keys``:
   Hugging Face GPT-2's ``where(bias[..., :T, :T], w, finfo.min)``), the chain having no other -inf ``where``; they
   mask where the OR of their conditions holds, which then keeps each row's own key; or
-- one float bias ``[..., M, M]`` added to the scores as the last op on their path (``additive_bias``: Hugging Face's
-  4-D masks, ``nn.Transformer``'s float masks), which masks ``n > m`` when it is 0 on and below the diagonal (each
+- one float bias ``[..., M, M]`` added to the logits as the last op on the score path, whatever the chain computes
+  before it (``additive_bias``: Hugging Face's 4-D masks, ``nn.Transformer``'s float masks, BLOOM's causal mask
+  after its ALiBi bias), which masks ``n > m`` when it is 0 on and below the diagonal (each
   row's largest bias, at its own key) and ``ABSORBING_BIAS_GAP`` or more below 0 above it (in the logits' units and,
   scaled by the softmax's factor, in the softmax's).
-A fill or bias that absorbs does so for scores of magnitude up to 2^124 (``block_sparsity.ABSORBING_FILL``), as the
-fused kernel's own tile skipping assumes: beyond that, or for a NaN or infinite score above the diagonal, which the
-causal attention never reads, the two may differ.
+A fill or bias that absorbs does so for logits (before the bias) of magnitude up to 2^124
+(``block_sparsity.ABSORBING_FILL``), as the fused kernel's own tile skipping assumes: beyond that, or for a NaN or
+infinite logit above the diagonal, which the causal attention never reads, the two may differ.
 The graph cannot know which: the masks read tensors made outside it (a registered ``tril`` buffer sliced to the
 length, positions made once, a mask passed in). So the region becomes
 ``torch.cond(known_causal(tensors), sdpa_branch, fused_branch, operands)``, where ``mask_checks.known_causal``
@@ -121,12 +122,12 @@ def _tensor_masks(region: AttentionRegion) -> Optional[CausalMasks]:
 
 
 def _additive_mask(region: AttentionRegion) -> Optional[CausalMasks]:
-    """A bias ``[..., M, N]`` added to the scores as ``additive_bias`` finds it (HF's 4-D ``finfo.min`` masks,
+    """A bias ``[..., M, N]`` added last to the logits as ``additive_bias`` finds it (HF's 4-D ``finfo.min`` masks,
     ``nn.Transformer``'s float masks), read from tensors the graph is given: masked where it lies
     ``ABSORBING_BIAS_GAP`` below 0 in the softmax's units. Where the check finds it 0 on and below the diagonal and
     that low above it, every row keeps its own key with bias 0, its row's largest, and the keys above it add exactly
     0 to every sum, as -inf's do."""
-    found = additive_bias(region.chain, region.logits, region.score_root)
+    found = additive_bias(region.chain, region.logits, region.score_root, scaled_scores_only=False)
     if found is None or found[2].meta["val"].shape[-2] == 1:
         return None
     return CausalMasks(bias=found, absorbing=-ABSORBING_BIAS_GAP / min(1.0, region.logit_scale))
