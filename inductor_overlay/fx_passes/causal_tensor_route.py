@@ -11,9 +11,9 @@ on the fused kernel. Its masks are either
   mask where the OR of their conditions holds, which then keeps each row's own key; or
 - one float bias ``[..., M, M]`` added to the logits as the last op on the score path, whatever the chain computes
   before it (``additive_bias``: Hugging Face's 4-D masks, ``nn.Transformer``'s float masks, BLOOM's causal mask
-  after its ALiBi bias), which masks ``n > m`` when it is 0 on and below the diagonal (each
-  row's largest bias, at its own key) and ``ABSORBING_BIAS_GAP`` or more below 0 above it (in the logits' units and,
-  scaled by the softmax's factor, in the softmax's).
+  after its ALiBi bias), which masks ``n > m`` when it is 0 on and below the diagonal (each row's largest bias, at
+  its own key) and ``ABSORBING_BIAS_GAP`` or more below 0 above it (in the logits' units and, scaled by the
+  softmax's factor, in the softmax's).
 A fill or bias that absorbs does so for logits (before the bias) of magnitude up to 2^124
 (``block_sparsity.ABSORBING_FILL``), as the fused kernel's own tile skipping assumes: beyond that, or for a NaN or
 infinite logit above the diagonal, which the causal attention never reads, the two may differ.
@@ -35,7 +35,8 @@ fill, adds exactly 0 to its row's sums either way), and its backward the region'
 the chain reads is learned where the mask is a bias (the copy would not compute that gradient). That copy, the
 region's forward and backward together, is fused as the in-function causal form is (on SDPA's forward and backward
 kernels where SDPA takes it, else on ours), the second copy reading the masks; ``trained_branches`` puts the forward
-and the backward each under a ``cond`` on the one check. Only where the graph's code runs in Python outside CUDA graphs.
+and the backward each under a ``cond`` on the one check. Only where the graph's code runs in Python outside CUDA
+graphs.
 """
 
 from __future__ import annotations
