@@ -241,6 +241,15 @@ FORMS: dict[str, Variant] = {
             visible_fraction=lambda shape: _window_fraction(shape, GEMMA_WINDOW),
         ),
         _variant(
+            Family(
+                "forms_softcap_causal", keep=lambda rows, cols: cols <= rows,
+                transform=lambda scores: GEMMA_CAP * torch.tanh(scores / GEMMA_CAP),
+            ),
+            flex_score_mod=lambda extras: (lambda s, b, h, m, n: GEMMA_CAP * torch.tanh(s / GEMMA_CAP)),
+            flex_mask_mod=lambda extras: (lambda b, h, m, n: n <= m),
+            visible_fraction=lambda shape: (shape.M + 1) / (2 * shape.M),
+        ),
+        _variant(
             Family("forms_alibi", alibi=True),
             flex_score_mod=lambda extras: (lambda s, b, h, m, n: s + extras["slopes"][h] * (n - m)),
         ),

@@ -88,6 +88,26 @@ def test_a_causal_mask_from_tensors_runs_as_sdpa_from_its_check_on(form, answers
     assert answers["checks"] == 1
 
 
+@pytest.mark.parametrize("form", ["mask_passed_in", "additive_mask_passed_in"])
+def test_a_soft_capped_causal_mask_from_tensors_runs_the_in_function_kernel(form, answers):
+    """Where SDPA cannot take the copy with the causal formula (a soft-cap: Gemma-2's global layers, whose Hugging
+    Face form adds a 4-D mask after it), that copy is fused as the in-function form is, its kernel the in-function
+    form's byte for byte (tiles skipped by the formula, no mask read), from the check on."""
+    from test.test_arange_positions_route import fused_kernels, the_form
+
+    variant = form_variant(f"forms_softcap_causal:{form}")
+    q, k, v, extras = make_inputs(variant, SHAPE, dtype=torch.bfloat16)
+    code = run_calls(lambda q, k, v: variant.reference(q, k, v, **extras), (q, k, v), 3)
+    FileCheck().check("def causal_formula_0").check("def causal_fused_0").check("flashlight.known_causal.default(").run(
+        "\n".join(code))
+    assert answers["answers"] == [False, True, True] and answers["checks"] == 1
+    with testing.cpu_triton(), config.patch(**ROUTE):
+        in_function, operands = the_form("forms_softcap_causal", "in_function")
+        _, in_function_code = testing.compile_and_get_code(in_function, *operands)
+    reference_kernels = fused_kernels(in_function_code)
+    assert len(reference_kernels) == 1 and reference_kernels <= fused_kernels(code)
+
+
 def test_a_mask_written_in_place_is_checked_again():
     """A registered causal buffer changed in place between calls (one key of row 40 masked): the next call is fused
     and matches eager on the changed mask; an answer never outlives the version it was checked at."""

@@ -1,10 +1,8 @@
-"""Attention masked by tensors made outside the graph runs on SDPA's causal kernel while those tensors hold exactly
-the causal mask, on the overlay's fused kernel otherwise.
+"""Attention masked by tensors made outside the graph runs as the in-function causal form (on SDPA's causal kernel
+where the SDPA route takes that form) while those tensors hold exactly the causal mask, reading them otherwise.
 
-Legality. A region that ``sdpa_route`` would give SDPA but for its masks (a constant scale, a square score matrix,
-fp16/bf16, the operands SDPA reads) computes exactly ``scaled_dot_product_attention(q, k, v, is_causal=True,
-scale=s)`` whenever its masks mask exactly ``n > m`` for every batch entry, and exactly what it computes otherwise
-on the fused kernel. Its masks are either
+Legality. A region over a square score matrix computes exactly its copy in which its masks are the causal formula
+whenever its masks mask exactly ``n > m`` for every batch entry. Its masks are either
 - every ``where`` on the score path that fills where a condition computed without the scores says so, with -inf or
   with a finite constant that absorbs wherever every row keeps a key (``fills_absorbing_where_rows_keep_keys``:
   Hugging Face GPT-2's ``where(bias[..., :T, :T], w, finfo.min)``), the chain having no other -inf ``where``; they
@@ -19,23 +17,22 @@ A fill or bias that absorbs does so for logits (before the bias) of magnitude up
 infinite logit above the diagonal, which the causal attention never reads, the two may differ.
 The graph cannot know which: the masks read tensors made outside it (a registered ``tril`` buffer sliced to the
 length, positions made once, a mask passed in). So the region becomes
-``torch.cond(known_causal(tensors), sdpa_branch, fused_branch, operands)``, where ``mask_checks.known_causal``
+``torch.cond(known_causal(tensors), causal_branch, fused_branch, operands)``, where ``mask_checks.known_causal``
 answers on the host from checks it ran, on the device, on earlier calls with the same tensors at the same version
 (for a bias, of its elements' states: 0, absorbing, or neither, which never matches). Both branches are copies of
 the region's own nodes: the first with its masks made the causal formula (each condition replaced by ``~(n <= m)``
-over iotas, a bias's add by a -inf ``where`` of it), then rewritten by ``sdpa_route.replace_by_sdpa`` as the
-in-function causal form is; the second fused as any region is. A region whose masks read no tensor the graph is
-given (positions built in the graph, which ``sdpa_route`` decides at compile time) or read one through a random op
-is left to the fused kernel alone. Regions of one graph whose masks read the same tensors the same way share one
-check.
+over iotas, a bias's add by a -inf ``where`` of it), then fused as the in-function causal form is (SDPA's causal
+kernel where ``sdpa_route`` takes it: a constant scale, fp16/bf16, the operands SDPA reads; else ours, with its
+tiles skipped by the formula); the second fused as any region is. A region whose masks read no tensor the graph is
+given (positions built in the graph, decided at compile time) or read one through a random op is left to the fused
+kernel alone. Regions of one graph whose masks read the same tensors the same way share one check.
 
-In training (a joint graph, ``route_training_when_causal``) the rule needs no SDPA: the first copy, its masks made
-the causal formula, computes what the region does wherever the check holds (a logit masked, by -inf or an absorbing
-fill, adds exactly 0 to its row's sums either way), and its backward the region's gradients, as long as no tensor
-the chain reads is learned where the mask is a bias (the copy would not compute that gradient). That copy, the
-region's forward and backward together, is fused as the in-function causal form is (on SDPA's forward and backward
-kernels where SDPA takes it, else on ours), the second copy reading the masks; ``trained_branches`` puts the forward
-and the backward each under a ``cond`` on the one check. Only where the graph's code runs in Python outside CUDA
+In training (a joint graph, ``route_training_when_causal``) each copy holds the region's forward and its backward:
+the first's backward computes the region's gradients wherever the check holds (a logit masked, by -inf or an
+absorbing fill, adds exactly 0 to its row's sums either way), as long as no tensor the chain reads is learned where
+the mask is a bias (the copy would not compute that gradient). Each copy is fused as a pair (the first as the
+in-function causal form trains: on SDPA's forward and backward kernels where SDPA takes it, else on ours);
+``trained_branches`` puts the forward and the backward each under a ``cond`` on the one check. Only where the graph's code runs in Python outside CUDA
 graphs.
 """
 
@@ -49,7 +46,7 @@ from typing import Optional
 import torch
 
 from inductor_overlay import config
-from inductor_overlay.fx_passes.attention_region import AttentionRegion, find_attention
+from inductor_overlay.fx_passes.attention_region import AttentionRegion
 from inductor_overlay.fx_passes.block_sparsity import (
     ABSORBING_BIAS_GAP,
     additive_bias,
@@ -72,7 +69,7 @@ from inductor_overlay.fx_passes.checked_branches import (
 )
 from inductor_overlay.fx_passes.fx_helpers import call_op, prims
 from inductor_overlay.fx_passes.trained_branches import route_pair
-from inductor_overlay.fx_passes.sdpa_route import _logical_shape, replace_by_sdpa, sdpa_call, sdpa_layout
+from inductor_overlay.fx_passes.sdpa_route import _FUSED_SDPA_OPS, _logical_shape
 from inductor_overlay.mask_checks import CHECK_GLOBALS, known_causal
 
 aten = torch.ops.aten
@@ -96,11 +93,9 @@ class CausalMasks:
 
 
 def causal_route_masks(region: AttentionRegion) -> Optional[CausalMasks]:
-    """The region's masks when it is SDPA's causal attention exactly where they mask ``n > m`` (see the module's
-    rule) and they read tensors the graph is given, with work enough for SDPA's kernel to pay (``MIN_WORK``)."""
-    if sdpa_layout(region) is None or attention_work(region) < MIN_WORK:
-        return None
-    return _tensor_masks(region)
+    """The region's masks when they mask as the module's rule says and read tensors the graph is given, with work
+    enough for the route to pay (``MIN_WORK``)."""
+    return _tensor_masks(region) if attention_work(region) >= MIN_WORK else None
 
 
 def _tensor_masks(region: AttentionRegion) -> Optional[CausalMasks]:
@@ -199,19 +194,10 @@ def _bias_states(graph: torch.fx.Graph, bias: torch.fx.Node, absorbing: float) -
     return graph.call_function(aten.mul.Tensor, (as_int8[0], graph.call_function(aten.rsub.Scalar, (as_int8[1], 2))))
 
 
-def _as_sdpa(copies: dict, masks: CausalMasks, rows: int, pv: torch.fx.Node) -> bool:
-    """Rewrite the attention ending at ``pv`` (a branch's copy of the region; ``copies`` maps its nodes) into SDPA's
-    causal call: its masks made the causal formula (``_as_causal_formula``), the call derived from the copy then."""
-    if not _as_causal_formula(copies, masks, rows):
-        return False
-    copied = find_attention(copies[pv])
-    call = sdpa_call(copied) if isinstance(copied, AttentionRegion) else None
-    return call is not None and call.is_causal and replace_by_sdpa(copied, call) is not None
-
-
 def route_when_causal(region: AttentionRegion, masks: CausalMasks, fuse_branch) -> Optional[torch.fx.Node]:
-    """Replace the region by a ``cond`` between SDPA's causal kernel and the fused kernel (``fuse_branch``, run on
-    the second branch's graph) on ``known_causal`` of its masks' tensors; return the node standing for the
+    """Replace the region by a ``cond`` between its copy with the causal formula and its copy that reads the masks,
+    each fused by ``fuse_branch`` (the first as the in-function causal form is: SDPA's causal kernel where the SDPA
+    route takes it, else ours), on ``known_causal`` of its masks' tensors; return the node standing for the
     branches' output, or None (the region left as it was)."""
     check = _mask_check(masks)
     if check is None:
@@ -220,18 +206,20 @@ def route_when_causal(region: AttentionRegion, masks: CausalMasks, fuse_branch) 
     first, second = region_branch(region, output), region_branch(region, output)
     if first is None or second is None:
         return None
-    (sdpa_branch, operands, copies), (fused_branch, _, fused_copies) = first, second
-    rows = region.score_root.meta["val"].shape[-2]
-    if not _as_sdpa(copies, masks, rows, region.pv):
+    (causal_branch, operands, copies), (fused_branch, _, fused_copies) = first, second
+    if not _as_causal_formula(copies, masks, region.score_root.meta["val"].shape[-2]):
         return None
-    fuse_branch(fused_branch.graph)
-    if not getattr(fused_copies[region.pv], "_erased", False):
-        return None  # the branch did not fuse (its matmuls are still there): it would be the unfused attention
-    result = finished(sdpa_branch)
+    for branch in (causal_branch, fused_branch):
+        fuse_branch(branch.graph)
+    if not all(getattr(copied[region.pv], "_erased", False) for copied in (copies, fused_copies)):
+        return None  # a branch did not fuse (its matmuls are still there): it would be the unfused attention
+    result = finished(causal_branch)
     finished(fused_branch)
     inputs, source = check
     flag = shared_check(region.pv.graph, known_causal, (inputs, source, result.shape[-2]), output, result)
-    return branch_on(flag, {"causal_sdpa": sdpa_branch, "causal_fused": fused_branch}, operands, output)
+    on_sdpa = any(node.target in _FUSED_SDPA_OPS for node in causal_branch.graph.nodes)
+    names = ("causal_sdpa" if on_sdpa else "causal_formula", "causal_fused")
+    return branch_on(flag, dict(zip(names, (causal_branch, fused_branch))), operands, output)
 
 
 def _as_causal_formula(copies: dict, masks: CausalMasks, rows: int) -> bool:
