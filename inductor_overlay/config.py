@@ -152,13 +152,15 @@ fast_tanh: bool = os.environ.get("FLASHLIGHT_FAST_TANH", "1") != "0"
 sdpa_route_devices: tuple = tuple(filter(None, os.environ.get("FLASHLIGHT_SDPA_ROUTE_DEVICES", "cuda").split(",")))
 
 
-# Under the same policies and devices, attention masked by tensors made outside the graph (a registered ``tril``
-# buffer sliced to the length, positions made once, a mask passed in), which is SDPA's causal attention exactly when
-# those tensors hold the causal mask, runs as ``torch.cond`` between SDPA's causal kernel and the fused kernel:
+# Attention masked by tensors made outside the graph (a registered ``tril`` buffer sliced to the length, positions made
+# once, a mask passed in), which is the in-function causal form exactly when those tensors hold the causal mask, runs
+# as ``torch.cond`` between that form's kernel (SDPA's causal kernel where the policy and devices above give it that
+# form, else ours with the causal formula) and the kernel that reads the masks:
 # ``mask_checks.known_causal`` checks the tensors on the device from their second call on and answers from that check
 # while they keep their version (fx_passes/causal_tensor_route.py). In training (any policy or device) the checked
-# branch is the causal formula's fused forward and backward (SDPA's pair where SDPA takes causal attention). A write through
-# ``tensor.data`` changes no version: set FLASHLIGHT_CAUSAL_TENSOR_ROUTE=0 for programs that write masks that way.
+# branch is the causal formula's fused forward and backward (SDPA's pair where SDPA takes causal attention). A write
+# through ``tensor.data`` changes no version: set FLASHLIGHT_CAUSAL_TENSOR_ROUTE=0 for programs that write masks that
+# way.
 causal_tensor_route: bool = os.environ.get("FLASHLIGHT_CAUSAL_TENSOR_ROUTE", "1") != "0"
 
 # Attention whose chain reads positions made outside the graph (a 1-D integer tensor made once, a registered position

@@ -4,7 +4,8 @@ the device:
 - ``flashlight::known_causal``: whether the mask the tensors describe is exactly the causal one. A mask read from
   tensors (a registered ``tril`` buffer sliced to the length, positions made once, a mask passed in) can be the
   causal mask without the graph saying so; ``fx_passes/causal_tensor_route.py`` then puts the attention under a
-  ``torch.cond`` on this op: SDPA's causal kernel where it answers True, the overlay's fused kernel otherwise.
+  ``torch.cond`` on this op: the in-function causal form's kernel where it answers True (SDPA's for plain causal
+  attention), the kernel that reads the mask otherwise.
 - ``flashlight::known_arange``: whether 1-D tensors (positions made once, a registered position buffer) hold
   0, 1, ..., len − 1; ``fx_passes/arange_positions_route.py`` then runs the attention as if they were built in the
   graph with ``arange``.

@@ -1,6 +1,7 @@
-"""Attention masked by tensors made outside the graph runs as SDPA's causal attention while those tensors hold the
-causal mask, fused otherwise (``fx_passes/causal_tensor_route.py``, ``mask_checks.py``), on the CPU harness with the
-SDPA route turned on for the CPU (its CPU flash kernel), every call compared with float64 eager."""
+"""Attention masked by tensors made outside the graph runs as the in-function causal form (SDPA's causal attention,
+or our kernel with the causal formula) while those tensors hold the causal mask, reading them otherwise
+(``fx_passes/causal_tensor_route.py``, ``mask_checks.py``), on the CPU harness with the SDPA route turned on for
+the CPU (its CPU flash kernel), every call compared with float64 eager."""
 
 import re
 
@@ -433,6 +434,23 @@ def test_an_additive_mask_after_other_terms_trains_on_the_causal_formula(answers
     FileCheck().check("def causal_forward_0").check("def causal_mask_read_forward_0").run(text)
     assert answers["answers"] == [False, True, True]
     assert counters["inductor"]["flashlight_attention_causal_route"] == 1
+
+
+def test_an_additive_mask_after_another_float_mask_takes_no_route(answers):
+    """A padding mask of ``finfo.min`` added before the causal mask puts logits far beyond 2^124, where the causal
+    mask no longer absorbs (a row whose own keys are all padded weighs the later keys in eager): no route, and that
+    row matches eager."""
+    q, k, v = (torch.randn(2, 2, SHAPE.M, 16, dtype=torch.bfloat16) for _ in range(3))
+    padding = torch.zeros(2, 1, 1, SHAPE.M, dtype=torch.bfloat16)
+    padding[1, ..., :4] = torch.finfo(torch.bfloat16).min
+    causal = additive_causal("hf_4d")
+
+    def padded_then_causal(q, k, v):
+        return torch.softmax(q @ k.transpose(-2, -1) * 0.25 + padding + causal, dim=-1) @ v
+
+    code = run_calls(padded_then_causal, (q, k, v), 3)
+    FileCheck().check_not("known_causal").run("\n".join(code))
+    assert answers["checks"] == 0
 
 
 def test_a_learned_additive_mask_takes_no_route(answers):

@@ -57,6 +57,8 @@ def arange_positions(region: AttentionRegion) -> list[torch.fx.Node]:
     """The graph inputs ``region``'s chain reads as positions (see the module's rule), when the route applies."""
     if not config.arange_positions_route or region.captured_sizes or not python_wrapper_without_graphs():
         return []
+    if region.pair is not None:  # (a pair output reads the probabilities outside the route's copies)
+        return []
     return [node for node in region.captured if _position_vector(node) and _used_as_positions(node, region.chain)]
 
 

@@ -518,8 +518,8 @@ def fuse_attention(graph: torch.fx.Graph, routes: tuple = ("arange", "causal")) 
         masks = causal_route_masks(outcome) if "causal" in routes else None
         if masks is not None and _routed(route_when_causal, outcome, masks, _fuse_branch):
             counters["inductor"]["flashlight_attention_causal_route"] += 1
-            log.info("attention at %s runs as SDPA's causal attention while the tensors its masks read hold the "
-                     "causal mask, else fused", pv.name)
+            log.info("attention at %s runs as the in-function causal form while the tensors its masks read hold the "
+                     "causal mask, reading them otherwise", pv.name)
             continue
         fuse(outcome)
         counters["inductor"]["flashlight_attention_fused"] += 1

@@ -1,17 +1,18 @@
 """Attention masked by tensors made outside the graph runs as the in-function causal form (on SDPA's causal kernel
 where the SDPA route takes that form) while those tensors hold exactly the causal mask, reading them otherwise.
 
-Legality. A region over a square score matrix computes exactly its copy in which its masks are the causal formula
-whenever its masks mask exactly ``n > m`` for every batch entry. Its masks are either
+Legality. A softmax region over a square score matrix (with no pair output) computes exactly its copy in which its
+masks are the causal formula whenever its masks mask exactly ``n > m`` for every batch entry. Its masks are either
 - every ``where`` on the score path that fills where a condition computed without the scores says so, with -inf or
   with a finite constant that absorbs wherever every row keeps a key (``fills_absorbing_where_rows_keep_keys``:
   Hugging Face GPT-2's ``where(bias[..., :T, :T], w, finfo.min)``), the chain having no other -inf ``where``; they
   mask where the OR of their conditions holds, which then keeps each row's own key; or
 - one float bias ``[..., M, M]`` added to the logits as the last op on the score path, whatever the chain computes
-  before it (``additive_bias``: Hugging Face's 4-D masks, ``nn.Transformer``'s float masks, BLOOM's causal mask
-  after its ALiBi bias), which masks ``n > m`` when it is 0 on and below the diagonal (each row's largest bias, at
-  its own key) and ``ABSORBING_BIAS_GAP`` or more below 0 above it (in the logits' units and, scaled by the
-  softmax's factor, in the softmax's).
+  before it from the scores without reading another floating tensor or a constant of 2^64 or more (``additive_bias``,
+  ``_bounded_logits``: Hugging Face's 4-D masks, ``nn.Transformer``'s float masks, a causal mask added after a
+  soft-cap or after ALiBi's bias computed in the graph), which masks ``n > m`` when it is 0 on and below the
+  diagonal (each row's largest bias, at its own key) and ``ABSORBING_BIAS_GAP`` or more below 0 above it (in the
+  logits' units and, scaled by the softmax's factor, in the softmax's).
 A fill or bias that absorbs does so for logits (before the bias) of magnitude up to 2^124
 (``block_sparsity.ABSORBING_FILL``), as the fused kernel's own tile skipping assumes: beyond that, or for a NaN or
 infinite logit above the diagonal, which the causal attention never reads, the two may differ.
@@ -32,8 +33,8 @@ the first's backward computes the region's gradients wherever the check holds (a
 absorbing fill, adds exactly 0 to its row's sums either way), as long as no tensor the chain reads is learned where
 the mask is a bias (the copy would not compute that gradient). Each copy is fused as a pair (the first as the
 in-function causal form trains: on SDPA's forward and backward kernels where SDPA takes it, else on ours);
-``trained_branches`` puts the forward and the backward each under a ``cond`` on the one check. Only where the graph's code runs in Python outside CUDA
-graphs.
+``trained_branches`` puts the forward and the backward each under a ``cond`` on the one check. Only where the
+graph's code runs in Python outside CUDA graphs.
 """
 
 from __future__ import annotations
@@ -95,7 +96,8 @@ class CausalMasks:
 def causal_route_masks(region: AttentionRegion) -> Optional[CausalMasks]:
     """The region's masks when they mask as the module's rule says and read tensors the graph is given, with work
     enough for the route to pay (``MIN_WORK``)."""
-    return _tensor_masks(region) if attention_work(region) >= MIN_WORK else None
+    masks = _tensor_masks(region)
+    return masks if masks is not None and attention_work(region) >= MIN_WORK else None
 
 
 def _tensor_masks(region: AttentionRegion) -> Optional[CausalMasks]:
@@ -103,14 +105,15 @@ def _tensor_masks(region: AttentionRegion) -> Optional[CausalMasks]:
     over a square score matrix, with the switch on and the graph's code in Python; else None."""
     if not config.causal_tensor_route or region.captured_sizes or not python_wrapper_without_graphs():
         return None
-    *_, rows, columns = region.score_root.meta["val"].shape
-    if rows != columns:
+    if not region.softmax or region.pair is not None:  # (a pair output reads the probabilities outside the copy)
         return None
+    *_, rows, columns = region.score_root.meta["val"].shape
     fills = fills_absorbing_where_rows_keep_keys(region.chain, region.score_root, region.logits, region.logit_scale)
     wheres = [node for node in region.chain if masked_terms(node, fills) is not None]
     if not wheres:
-        return _additive_mask(region)
-    if not all(_masks_the_scores(node, region) for node in wheres):
+        masks = _additive_mask(region)
+        return masks if masks is not None and rows == columns else None
+    if rows != columns or not all(_masks_the_scores(node, region) for node in wheres):
         return None
     if len(position_masks(region.chain, region.score_root, fills)[1]) == len(wheres):  # decided when compiling
         return None
@@ -124,9 +127,29 @@ def _additive_mask(region: AttentionRegion) -> Optional[CausalMasks]:
     that low above it, every row keeps its own key with bias 0, its row's largest, and the keys above it add exactly
     0 to every sum, as -inf's do."""
     found = additive_bias(region.chain, region.logits, region.score_root, scaled_scores_only=False)
-    if found is None or found[2].meta["val"].shape[-2] == 1:
+    if found is None or found[2].meta["val"].shape[-2] == 1 or not _bounded_logits(region, found[1]):
         return None
     return CausalMasks(bias=found, absorbing=-ABSORBING_BIAS_GAP / min(1.0, region.logit_scale))
+
+
+def _bounded_logits(region: AttentionRegion, logits: torch.fx.Node) -> bool:
+    """Whether the chain computes the logits the bias is added to without reading a floating tensor the graph is
+    given (another mask of ``finfo.min``) or a constant of magnitude 2^64 or more (a finite fill, -inf): then they
+    are of the scores' size, far below 2^124, as the rule needs."""
+    chain, pending, seen = set(region.chain), [logits], set()
+    while pending:
+        node = pending.pop()
+        if node in seen or node is region.score_root:
+            continue
+        seen.add(node)
+        if node in region.captured and node.meta["val"].is_floating_point():
+            return False
+        if node in chain:
+            constants = torch.utils._pytree.tree_leaves((node.args, node.kwargs))
+            if any(isinstance(c, float) and abs(c) >= 2.0**64 for c in constants):
+                return False
+            pending += node.all_input_nodes
+    return True
 
 
 def attention_work(region: AttentionRegion) -> int:
