@@ -473,10 +473,13 @@ def _absorbing_fills(
         source[node] = inputs[0]
         terms = masked_terms(node, frozenset([node]))
         if terms is not None:
-            known = _known_terms(terms)
-            if (positions_only and len(known) != len(terms)) or depends_on(node.args[0], scores, memo):
+            if depends_on(node.args[0], scores, memo):
                 return None
-            formulas.append(sympy.Or(*known) if known else sympy.false)
+            if positions_only:  # (the formulas only this rule reads)
+                known = _known_terms(terms)
+                if len(known) != len(terms):
+                    return None
+                formulas.append(sympy.Or(*known))
             fill = constant_value(node.args[1] if fill_is_true_branch(node) else node.args[2])
             step[node] = 1.0
             if fill != -math.inf:
