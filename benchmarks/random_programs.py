@@ -433,7 +433,7 @@ def check(p: Program, device: str = "cpu", training: bool = False, dynamic: bool
     # are called three times with the same tensors: the first call reads them, the second starts the checked routes'
     # check, the third runs the branch the check chose (at once on the CPU).
     masks_checked = p.mask == "bool_tensor" or _causal_additive(p)
-    calls = 3 if p.read_positions != "none" or (training and masks_checked) else 1
+    calls = 3 if p.read_positions != "none" or (masks_checked and (training or _ROUTES_AT_ANY_SIZE)) else 1
     outs = []
     if device == "cpu":
         with testing.cpu_triton(), fresh_cache():
@@ -470,6 +470,11 @@ def check(p: Program, device: str = "cpu", training: bool = False, dynamic: bool
     return matches, fused, "; ".join(details) + as_sdpa + routed + (" OVERLAY FAULT (fell back)" if faulted else "")
 
 
+# ``--routes-at-any-size``: the checked routes taken whatever the work (in inference they need ``MIN_WORK``, far above
+# these programs' sizes), and programs with mask tensors called three times in inference too.
+_ROUTES_AT_ANY_SIZE = False
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--count", type=int, default=300)
@@ -479,7 +484,15 @@ def main() -> int:
     parser.add_argument("--training", action="store_true", help="q, k, v require grad: gradients are checked too")
     parser.add_argument("--dynamic", action="store_true", help="compile with every size symbolic (dynamic=True)")
     parser.add_argument("--mask", default=None, help="run only the seeds whose program draws this mask (bool_tensor, ...)")
+    parser.add_argument("--routes-at-any-size", action="store_true",
+                        help="in inference, the checked routes (causal, band, arange) at these small sizes too")
     args = parser.parse_args()
+    if args.routes_at_any_size:
+        from inductor_overlay.fx_passes import arange_positions_route, causal_tensor_route
+
+        global _ROUTES_AT_ANY_SIZE
+        _ROUTES_AT_ANY_SIZE = True
+        causal_tensor_route.MIN_WORK = arange_positions_route.MIN_WORK = 0
     import warnings
 
     import flashlight
@@ -506,6 +519,7 @@ def main() -> int:
             log.write(line + "\n")
             log.flush()
     mode = (" in training" if args.training else "") + (" with every size symbolic" if args.dynamic else "")
+    mode += " with the checked routes at any size" if args.routes_at_any_size else ""
     which = "" if args.mask is None else f" drawing mask={args.mask}"
     summary = (f"{run} programs{mode} on {args.device} (seeds {args.seed}..{args.seed + args.count - 1}{which}), "
                f"{len(mismatches)} mismatches, {fused_count} fused, {time.time() - start:.0f} s")

@@ -163,6 +163,14 @@ sdpa_route_devices: tuple = tuple(filter(None, os.environ.get("FLASHLIGHT_SDPA_R
 # way.
 causal_tensor_route: bool = os.environ.get("FLASHLIGHT_CAUSAL_TENSOR_ROUTE", "1") != "0"
 
+# In inference, where that check finds the mask not causal, the same attention runs as ``torch.cond`` between the
+# kernel with a band's formula (a causal sliding window of W keys, a prefix of P keys every row sees, or both; W and P
+# read off the mask's first and last rows in the graph) and the kernel that reads the mask: ``mask_checks.known_band``
+# checks on the device, from the second call that sees the same tensors, that the mask is exactly that band
+# (fx_passes/band_tensor_route.py). A write through ``tensor.data`` changes no version: set
+# FLASHLIGHT_BAND_TENSOR_ROUTE=0 for programs that write masks that way.
+band_tensor_route: bool = os.environ.get("FLASHLIGHT_BAND_TENSOR_ROUTE", "1") != "0"
+
 # Attention whose chain reads positions made outside the graph (a 1-D integer tensor made once, a registered position
 # buffer sliced to the length) runs as ``torch.cond`` between the kernel of the same attention written with ``arange``
 # in the graph and the kernel that reads the positions: ``mask_checks.known_arange`` checks that they hold 0, 1, ...

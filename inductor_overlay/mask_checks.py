@@ -6,6 +6,11 @@ the device:
   causal mask without the graph saying so; ``fx_passes/causal_tensor_route.py`` then puts the attention under a
   ``torch.cond`` on this op: the in-function causal form's kernel where it answers True (SDPA's for plain causal
   attention), the kernel that reads the mask otherwise.
+- ``flashlight::known_band``: whether that mask is exactly a band ``~(((n <= m) & (m - n < W)) | (n < P))``
+  (a causal sliding window of W keys, a prefix of P keys seen by every row, or both) whose W and P
+  ``band_parameters`` reads off the mask's first and last rows, with some key kept in each row;
+  ``fx_passes/band_tensor_route.py`` then runs the attention with that formula, W and P computed from the mask's
+  rows in the graph by the same function.
 - ``flashlight::known_arange``: whether 1-D tensors (positions made once, a registered position buffer) hold
   0, 1, ..., len − 1; ``fx_passes/arange_positions_route.py`` then runs the attention as if they were built in the
   graph with ``arange``.
@@ -91,6 +96,47 @@ def _start_check(sighting: _Sighting, tensors: list, source: str, rows: int) -> 
     _verdict_later(sighting, differs)
 
 
+def band_parameters(masked: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(W, P), int32 0-d tensors (at most R), of the band a mask ``[..., R, R]`` (True, or nonzero, where masked) would be, read
+    off its first entry's first and last rows: P the keys the first row keeps when more than one, else 0; W the keys
+    from P on that the last row keeps. The check and the graph both compute them with this function."""
+    entry = masked
+    while entry.dim() > 2:
+        entry = entry[0]
+    # (The rows are taken before any op on them: the graph then computes two rows, not the whole mask.)
+    first_kept = (entry[0] == 0).sum(dtype=torch.int64)
+    prefix = torch.where(first_kept > 1, first_kept, 0)
+    columns = torch.arange(entry.shape[-1], device=entry.device)
+    width = ((entry[-1] == 0) & (columns >= prefix)).sum(dtype=torch.int64)
+    return width.to(torch.int32), prefix.to(torch.int32)
+
+
+def band_masked(rows: torch.Tensor, columns: torch.Tensor, width: torch.Tensor, prefix: torch.Tensor) -> torch.Tensor:
+    """Where the band of ``band_parameters`` masks, for row positions ``rows`` ``[R', 1]`` and column positions
+    ``columns`` ``[1, R]`` (integers below 2^31 - R in magnitude: exact in int32, as the graph computes it): not (a key at most W − 1 before its row and not after it, or among the first
+    P). The graph writes the window's lower end ``rows - width`` and the prefix's ``columns - prefix`` as vectors
+    its kernel bounds per tile."""
+    return ~(((columns <= rows) & (columns >= rows - width + 1)) | (columns - prefix < 0))
+
+
+def _start_band_check(sighting: _Sighting, tensors: list, source: str, rows: int) -> None:
+    """Evaluate the mask, read its band's parameters off it and compare it with that band, a slab of rows at a
+    time, on the tensors' device, without waiting for the answer; a band that keeps no key in some row (W < 1 and
+    P < 1) does not hold. As for ``_start_check``, an additive mask's states 2 never match."""
+    with torch.no_grad():
+        masked = _check_function(source)(*tensors)
+        if masked.dim() < 2 or tuple(masked.shape[-2:]) != (rows, rows):
+            raise ValueError("not a square mask")
+        width, prefix = band_parameters(masked)
+        positions = torch.arange(rows, device=masked.device)
+        slab = max(1, _COMPARED_AT_ONCE // max(1, masked[..., :1, :].numel()))
+        differs = (width < 1) & (prefix < 1)
+        for first in range(0, rows, slab):
+            band = band_masked(positions[first : first + slab, None], positions[None, :], width, prefix)
+            differs |= (masked[..., first : first + slab, :] != band).any()
+    _verdict_later(sighting, differs)
+
+
 def _start_arange_check(sighting: _Sighting, tensors: list) -> None:
     """Compare each (1-D) tensor with 0, 1, ..., len − 1 on its device, without waiting for the answer."""
     with torch.no_grad():
@@ -147,6 +193,12 @@ def is_known_causal(tensors: list, check: str, rows: int) -> bool:
     return _known(("causal", check, rows), tensors, lambda sighting: _start_check(sighting, tensors, check, rows))
 
 
+def is_known_band(tensors: list, check: str, rows: int) -> bool:
+    """Whether the mask ``check`` computes from ``tensors`` is known to be exactly the band of its
+    ``band_parameters`` (see the module's rules)."""
+    return _known(("band", check, rows), tensors, lambda sighting: _start_band_check(sighting, tensors, check, rows))
+
+
 def is_known_arange(tensors: list) -> bool:
     """Whether each of ``tensors`` (1-D) is known to hold 0, 1, ..., len − 1 (see the module's rules)."""
     return _known(("arange",), tensors, lambda sighting: _start_arange_check(sighting, tensors))
@@ -176,6 +228,23 @@ def _(tensors: list[torch.Tensor], check: str, rows: int) -> torch.Tensor:
     return torch.empty((), dtype=torch.bool, device="cpu")
 
 
+_LIBRARY.define("known_band(Tensor[] tensors, str check, int rows) -> Tensor")
+
+
+def _known_band(tensors: list[torch.Tensor], check: str, rows: int) -> torch.Tensor:
+    """True (a 0-d bool tensor on the host) when the mask ``check`` computes from ``tensors`` is known to be exactly
+    the band ``band_parameters`` reads off it; False when it is not, or not known yet."""
+    return torch.tensor(is_known_band(tensors, check, rows))
+
+
+_LIBRARY.impl("known_band", _known_band, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("flashlight::known_band", lib=_LIBRARY)
+def _(tensors: list[torch.Tensor], check: str, rows: int) -> torch.Tensor:
+    return torch.empty((), dtype=torch.bool, device="cpu")
+
+
 _LIBRARY.define("known_arange(Tensor[] tensors) -> Tensor")
 
 
@@ -193,4 +262,5 @@ def _(tensors: list[torch.Tensor]) -> torch.Tensor:
 
 
 known_causal = torch.ops.flashlight.known_causal.default
+known_band = torch.ops.flashlight.known_band.default
 known_arange = torch.ops.flashlight.known_arange.default

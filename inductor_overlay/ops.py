@@ -47,6 +47,9 @@ COL = sympy.Symbol("n", integer=True, nonnegative=True)
 # its pre-pass (``ScoreChain.position_graph_modules``). Any sign.
 ROW_READ = sympy.Symbol("pm", integer=True)
 COL_READ = sympy.Symbol("pn", integer=True)
+# The values of integer scalars read from memory (a band's width and prefix computed from a mask in the graph,
+# ``fx_passes/band_tensor_route.py``): the kernel reads each once before its pre-pass (``ScoreChain.scalar_graph_modules``).
+SCALAR_READS = (sympy.Symbol("ps0", integer=True), sympy.Symbol("ps1", integer=True))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,6 +83,9 @@ class ScoreChain:
     # (scores, *captured, *sizes) -> the integer vectors the formulas read as ROW_READ and COL_READ, each broadcast to
     # the score shape, or None for one the formulas do not read: the kernel's pre-pass bounds them per tile.
     position_graph_modules: Optional[tuple[Optional[torch.fx.GraphModule], Optional[torch.fx.GraphModule]]] = None
+    # (scores, *captured, *sizes) -> the integer scalars the formulas read as SCALAR_READS, each broadcast to the score
+    # shape (None for one they do not read): the kernel reads them once, before its pre-pass.
+    scalar_graph_modules: Optional[tuple[Optional[torch.fx.GraphModule], Optional[torch.fx.GraphModule]]] = None
     # (scores, *captured, *sizes) -> whether every captured position tensor the fast chain rebuilt from an ``iota``
     # holds consecutive values (``chain_modules.affine_positions``): where it does not, the kernel skips the fast
     # loops and runs the exact chain (``exact_graph_module``).
@@ -114,6 +120,7 @@ SUBGRAPH_NAMES = {
     "unmasked_graph_module": "score_chain_unmasked",
     "id_graph_modules": ("row_ids", "column_ids"),
     "position_graph_modules": ("row_positions", "column_positions"),
+    "scalar_graph_modules": ("scalar_read_0", "scalar_read_1"),
     "mask_table_module": "mask_table_chain",
     "exact_graph_module": "score_chain_exact",
     "affine_graph_module": "positions_affine",

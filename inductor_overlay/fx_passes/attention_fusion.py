@@ -28,11 +28,13 @@ from inductor_overlay.fx_passes.block_sparsity import (
     matched_id_masks,
     matched_tensor_masks,
     position_masks,
+    reads_scalars,
     reads_vectors,
 )
 from inductor_overlay.fx_passes.block_sparsity import _COPIES, _DIM_VIEWS
 from inductor_overlay.fx_passes.block_sparsity import is_op as _is
 from inductor_overlay.fx_passes.arange_positions_route import arange_positions, route_when_arange
+from inductor_overlay.fx_passes.band_tensor_route import band_route_masks, route_when_band
 from inductor_overlay.fx_passes.causal_tensor_route import causal_route_masks, route_when_causal
 from inductor_overlay.fx_passes.finite_speculation import MAX_BOUND, guard_only_nodes, speculation_bound
 from inductor_overlay.fx_passes.logit_scale import fold_constant_scale
@@ -105,9 +107,10 @@ def reads_gathers(chain: torch.fx.GraphModule) -> bool:
     return any(node.target in _GATHERS for node in chain.graph.nodes)
 
 
-def _position_reads(region: AttentionRegion) -> Optional[PositionReads]:
+def _position_reads(region: AttentionRegion, training: bool) -> Optional[PositionReads]:
     """What the mask formulas may read from memory as positions: an integer vector of static length computed from
-    the chain's own values or a captured tensor, not from the scores (None with a symbolic length)."""
+    the chain's own values or a captured tensor, not from the scores (None with a symbolic length); outside training
+    (the forward kernel reads them, the backward does not) an integer scalar too."""
     known, memo = set(region.chain) | set(region.captured), {}
     if not all(isinstance(size, int) for size in _val(region.score_root).shape):
         return None
@@ -117,7 +120,7 @@ def _position_reads(region: AttentionRegion) -> Optional[PositionReads]:
             isinstance(size, int) for size in _val(node).shape
         )
 
-    return PositionReads(region.score_root, readable)
+    return PositionReads(region.score_root, readable, scalars=not training)
 
 
 def _position_vectors(region: AttentionRegion) -> list:
@@ -142,6 +145,15 @@ def _position_cell_tables(graph: torch.fx.Graph, region: AttentionRegion, reads:
         )
         for vector, rows in ((reads.rows, True), (reads.columns, False))
     )
+
+
+def _scalar_modules(region: AttentionRegion, reads: Optional[PositionReads], formula, shape: list) -> Optional[tuple]:
+    """The modules computing the scalars the mask formulas read (``PositionReads.scalars``), for the kernel to read
+    once; None where they read none."""
+    if reads is None or not reads.scalars or not reads_scalars(formula):
+        return None
+    nodes = [*reads.scalars, None][:2]
+    return tuple(None if node is None else _chain_value_module(region, node, shape) for node in nodes)
 
 
 def _summarised_id_mask(region: AttentionRegion) -> Optional[IdMask]:
@@ -282,7 +294,7 @@ def fuse(
     if region.pair is not None:
         anchor = next(n for n in graph.nodes if n is region.pv or n is region.pair.result)
     formula, mask_nodes, skippable, fills = None, [], None, frozenset()
-    reads = _position_reads(region) if region.softmax and config.block_skipping else None
+    reads = _position_reads(region, training) if region.softmax and config.block_skipping else None
     if region.softmax:
         fills = absorbing_fill_masks(region.chain, region.score_root, region.logits, region.logit_scale)
         formula, mask_nodes, skippable = position_masks(region.chain, region.score_root, fills, reads)
@@ -372,6 +384,7 @@ def fuse(
             None if table is None else _chain_value_module(region, table, [*(score_shape[:-2] or [1]), *_val(table).shape[-2:]])
             for table in cells
         ),
+        scalar_graph_modules=_scalar_modules(region, reads, skippable, list(score_shape)),
     )
     log.info("attention at %s: %s", region.pv.name, describe_tiles(chain, training, additive_mask is not None))
     if region.pair is not None:
@@ -471,6 +484,11 @@ def _fuse_with_causal_route(graph: torch.fx.Graph) -> None:
     fuse_attention(graph, routes=("causal",))
 
 
+def _fuse_with_band_route(graph: torch.fx.Graph) -> None:
+    """The branch whose mask tensors are not causal: their mask may still be a band (a window, a prefix)."""
+    fuse_attention(graph, routes=("band",))
+
+
 def _routed(route, region: AttentionRegion, *args) -> bool:
     """Whether ``route`` replaced ``region`` (by a ``cond`` between two copies of it, fused by the functions among
     ``args``). A route works on copies until both branches are built, then adds its check and ``cond``: one that
@@ -490,7 +508,8 @@ def _routed(route, region: AttentionRegion, *args) -> bool:
 def fuse_attention(graph: torch.fx.Graph, routes: tuple = ("arange", "causal")) -> None:
     """Post-grad pass: every fusable softmax→matmul becomes one fused attention node (or SDPA's, ``sdpa_route``;
     with ``routes``, two of them under a ``cond`` on a check of tensors made outside the graph: the positions the
-    chain reads, ``arange_positions_route``, or its masks' tensors, ``causal_tensor_route``)."""
+    chain reads, ``arange_positions_route``, or its masks' tensors, ``causal_tensor_route`` and, in its branch for
+    masks that are not causal, ``band_tensor_route``)."""
     if not config.attention_fusion:
         return
     changed = False
@@ -516,10 +535,16 @@ def fuse_attention(graph: torch.fx.Graph, routes: tuple = ("arange", "causal")) 
                      "hold 0, 1, ..., reading them otherwise", pv.name)
             continue
         masks = causal_route_masks(outcome) if "causal" in routes else None
-        if masks is not None and _routed(route_when_causal, outcome, masks, _fuse_branch):
+        if masks is not None and _routed(route_when_causal, outcome, masks, _fuse_branch, _fuse_with_band_route):
             counters["inductor"]["flashlight_attention_causal_route"] += 1
             log.info("attention at %s runs as the in-function causal form while the tensors its masks read hold the "
                      "causal mask, reading them otherwise", pv.name)
+            continue
+        masks = band_route_masks(outcome) if "band" in routes else None
+        if masks is not None and _routed(route_when_band, outcome, masks, _fuse_branch):
+            counters["inductor"]["flashlight_attention_band_route"] += 1
+            log.info("attention at %s runs with a band's formula (a window, a prefix) while the tensors its masks read "
+                     "hold that band, reading them otherwise", pv.name)
             continue
         fuse(outcome)
         counters["inductor"]["flashlight_attention_fused"] += 1

@@ -27,7 +27,7 @@ from typing import Callable, Optional
 import sympy
 import torch
 
-from inductor_overlay.ops import COL, COL_READ, ROW, ROW_READ, TABLE_CELL
+from inductor_overlay.ops import COL, COL_READ, ROW, ROW_READ, SCALAR_READS, TABLE_CELL
 
 aten = torch.ops.aten
 prims = torch.ops.prims
@@ -94,8 +94,8 @@ def _value(
     """``node`` as a formula over the positions m and n. ``dims`` are the node's own dims that hold the logits' rows
     and columns (-1: the node is broadcast along it), by default its last two; each operand is followed with the
     dims that its op reads there, so a position is m or n by where it meets the logits, not by its own shape. With
-    ``reads``, an integer vector read from memory along the rows or the columns is the symbol ROW_READ or COL_READ
-    (``PositionReads``); ``aligned``: every op from the formula's root to ``node`` broadcasts right-aligned."""
+    ``reads``, an integer vector read from memory along the rows or the columns is the symbol ROW_READ or COL_READ,
+    an integer scalar one of SCALAR_READS (``PositionReads``); ``aligned``: every op from the formula's root to ``node`` broadcasts right-aligned."""
     if isinstance(node, bool):
         return sympy.true if node else sympy.false
     if isinstance(node, (int, float)):
@@ -132,9 +132,12 @@ def _value(
         # Below a conversion that may round or wrap (to a float, to a narrower integer), values read from memory are
         # not what the formula would bound: no reads there.
         arg_reads = None if _lossy_conversion(node, arg) else reads
+        before = None if arg_reads is None else arg_reads.state()
         try:
             return _value(arg, arg_dims, arg_reads, arg_aligned)
         except Unknown:
+            if arg_reads is not None:
+                arg_reads.restore(before)  # (what the part read before it failed is not read)
             return _read_vector(arg, arg_dims, arg_reads, arg_aligned)
 
     if target in _DIM_VIEWS or target in _COPIES:
@@ -167,16 +170,37 @@ def _value(
 
 class PositionReads:
     """The integer vectors a formula reads from memory, one per axis at most: ``rows`` (the symbol ROW_READ) varies
-    along the logits' rows only, ``columns`` (COL_READ) along their columns only. Each is a node whose value,
+    along the logits' rows only, ``columns`` (COL_READ) along their columns only; and, where the kernel reads them,
+    up to two integer scalars (``scalars``, the symbols SCALAR_READS: a band's width and prefix computed in the
+    graph, a window size kept as a tensor). Each is a node whose value,
     broadcast right-aligned to the scores, is that vector at every logit (``pos[:, None]``, or ``pos`` itself for the
     columns); the kernel bounds it per tile from the values it reads. Positions made once outside the compiled
     function, a registered buffer of them, HF's ``position_ids``."""
 
-    def __init__(self, scores: torch.fx.Node, readable: Callable[[torch.fx.Node], bool]) -> None:
+    def __init__(self, scores: torch.fx.Node, readable: Callable[[torch.fx.Node], bool], scalars: bool = False) -> None:
         self.rows: Optional[torch.fx.Node] = None
         self.columns: Optional[torch.fx.Node] = None
         self.scores = scores
         self.readable = readable  # whether the kernel can compute a node's value (the chain's own, or captured)
+        # With ``scalars`` (a kernel that reads them: the forward's), integer tensors of one element are SCALAR_READS.
+        self.scalars: Optional[list[torch.fx.Node]] = [] if scalars else None
+
+    def scalar(self, node: torch.fx.Node) -> sympy.Symbol:
+        if self.scalars is None:
+            raise Unknown(node)
+        for index, known in enumerate(self.scalars):
+            if _same_value(known, node):
+                return SCALAR_READS[index]
+        if len(self.scalars) == len(SCALAR_READS):
+            raise Unknown(node)
+        self.scalars.append(node)
+        return SCALAR_READS[len(self.scalars) - 1]
+
+    def state(self) -> tuple:
+        return self.rows, self.columns, None if self.scalars is None else list(self.scalars)
+
+    def restore(self, state: tuple) -> None:
+        self.rows, self.columns, self.scalars = state
 
     def symbol(self, node: torch.fx.Node, axis: str) -> sympy.Symbol:
         current = getattr(self, axis)
@@ -216,7 +240,7 @@ def _same_value(a: object, b: object) -> bool:
 
 def _read_vector(node: object, dims: tuple[int, int], reads: Optional[PositionReads], aligned: bool) -> sympy.Symbol:
     """``node`` as ROW_READ or COL_READ: an integer tensor computed without the scores that varies along the rows
-    only or the columns only, and whose broadcast to the scores puts that axis where it meets them (its rows dim
+    only or the columns only (or, of one element, a scalar: ``PositionReads.scalar``), and whose broadcast to the scores puts that axis where it meets them (its rows dim
     second to last over a last dim of 1, or its columns dim last; with a view between it and the formula's root, no
     other dim of size above 1, since the view may have moved its batch dims)."""
     value = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
@@ -226,6 +250,8 @@ def _read_vector(node: object, dims: tuple[int, int], reads: Optional[PositionRe
         raise Unknown(node)
     shape, rank = tuple(value.shape), value.dim()
     row, col = dims
+    if row < 0 and col < 0 and value.numel() == 1:
+        return reads.scalar(node)  # one value for every logit
     if (row >= 0) == (col >= 0):
         raise Unknown(node)  # constant along both, or varying along both
     axis_dim = row if row >= 0 else col
@@ -397,22 +423,27 @@ def position_masks(
 def _position_formula(node: object, reads: Optional[PositionReads] = None) -> Optional[sympy.Boolean]:
     """``node`` as a condition on the positions m and n alone (and, with ``reads``, on vectors read at them), or
     None. A node that is not a formula leaves ``reads`` as it was."""
-    before = None if reads is None else (reads.rows, reads.columns)
+    before = None if reads is None else reads.state()
     try:
         formula = _value(node, reads=reads)
     except (Unknown, KeyError, TypeError):
         formula = None
-    symbols = {ROW, COL} | ({ROW_READ, COL_READ} if reads is not None else set())
+    symbols = {ROW, COL} | ({ROW_READ, COL_READ, *SCALAR_READS} if reads is not None else set())
     if formula is not None and formula.free_symbols <= symbols and isinstance(formula, sympy.logic.boolalg.Boolean):
         return formula
     if reads is not None:
-        reads.rows, reads.columns = before
+        reads.restore(before)
     return None
 
 
 def reads_vectors(formula: Optional[sympy.Basic]) -> bool:
     """Whether ``formula`` reads a position vector from memory (ROW_READ or COL_READ)."""
     return formula is not None and bool(formula.free_symbols & {ROW_READ, COL_READ})
+
+
+def reads_scalars(formula: Optional[sympy.Basic]) -> bool:
+    """Whether ``formula`` reads an integer scalar from memory (SCALAR_READS)."""
+    return formula is not None and bool(formula.free_symbols & set(SCALAR_READS))
 
 
 def _known_terms(terms: list[tuple[object, bool]], reads: Optional[PositionReads] = None) -> list[sympy.Boolean]:
@@ -459,7 +490,8 @@ def _absorbing_fills(
     chain: list[torch.fx.Node], scores: torch.fx.Node, logits: torch.fx.Node, logit_scale: float, positions_only: bool
 ) -> Optional[tuple[frozenset, list]]:
     """The finite fills that reach the softmax at most ABSORBING_FILL, on a chain of masks (of positions alone where
-    ``positions_only``), dtype conversions and positive constant factors, with the masks' formulas; None otherwise."""
+    ``positions_only``), dtype conversions, positive constant factors and tanh (a soft-cap before the fill), with the
+    masks' formulas; None otherwise."""
     rows, columns = scores.meta["val"].shape[-2:]
     if not (isinstance(rows, int) and isinstance(columns, int)):
         return None
@@ -489,6 +521,10 @@ def _absorbing_fills(
         elif _is_constant_scaling(node, inputs[0]):
             factor = positive_scalar(node.args[1])
             step[node] = factor if node.target is aten.mul.Tensor else 1.0 / factor
+        elif node.target is aten.tanh.default:
+            # A soft-cap's tanh bounds what follows it (|c · tanh| ≤ c); a fill before it does not reach the softmax
+            # as a fill (factor 0: never absorbing).
+            step[node] = 0.0
         else:
             return None
     if not finite or logits not in step:

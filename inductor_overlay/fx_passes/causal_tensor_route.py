@@ -191,12 +191,7 @@ def _mask_check(masks: CausalMasks) -> Optional[tuple[list[torch.fx.Node], str]]
         return env[node]
 
     try:
-        masked = None if masks.bias is None else _bias_states(graph, copy(masks.bias[2]), masks.absorbing)
-        for where in masks.wheres:
-            condition = copy(where.args[0])
-            if not fill_is_true_branch(where):
-                condition = graph.call_function(aten.bitwise_not.default, (condition,))
-            masked = condition if masked is None else graph.call_function(aten.bitwise_or.Tensor, (masked, condition))
+        masked = masked_by(graph, masks, copy, graph.call_function)
     except ValueError:
         return None
     if not any(node.op == "placeholder" for node in inputs):
@@ -208,20 +203,50 @@ def _mask_check(masks: CausalMasks) -> Optional[tuple[list[torch.fx.Node], str]]
     return inputs, code.src
 
 
-def _bias_states(graph: torch.fx.Graph, bias: torch.fx.Node, absorbing: float) -> torch.fx.Node:
-    """``(bias != 0) · (2 − (bias <= absorbing))`` as int8: 0 where the bias is 0, 1 where it absorbs, 2 where it is
-    neither (NaN too)."""
-    nonzero = graph.call_function(aten.ne.Scalar, (bias, 0))
-    low = graph.call_function(aten.le.Scalar, (bias, absorbing))
-    as_int8 = [graph.call_function(prims.convert_element_type.default, (flag, torch.int8)) for flag in (nonzero, low)]
-    return graph.call_function(aten.mul.Tensor, (as_int8[0], graph.call_function(aten.rsub.Scalar, (as_int8[1], 2))))
+def masked_by(graph: torch.fx.Graph, masks: CausalMasks, node_of, call) -> torch.fx.Node:
+    """Nodes of ``graph`` computing where ``masks`` mask the logits, from ``node_of`` the graph's node for each of
+    their conditions or bias, by ``call(target, args)``: the OR of the conditions that mask (a ``where`` keeping
+    where its condition holds masks where it does not), or the bias's states (``_bias_states``)."""
+    masked = None if masks.bias is None else _bias_states(call, node_of(masks.bias[2]), masks.absorbing)
+    for where in masks.wheres:
+        condition = node_of(where.args[0])
+        if not fill_is_true_branch(where):
+            condition = call(aten.bitwise_not.default, (condition,))
+        masked = condition if masked is None else call(aten.bitwise_or.Tensor, (masked, condition))
+    return masked
 
 
-def route_when_causal(region: AttentionRegion, masks: CausalMasks, fuse_branch) -> Optional[torch.fx.Node]:
-    """Replace the region by a ``cond`` between its copy with the causal formula and its copy that reads the masks,
-    each fused by ``fuse_branch`` (the first as the in-function causal form is: SDPA's causal kernel where the SDPA
-    route takes it, else ours), on ``known_causal`` of its masks' tensors; return the node standing for the
+def _bias_states(call, bias: torch.fx.Node, absorbing: float) -> torch.fx.Node:
+    """``2 · (bias != 0) − (bias <= absorbing)`` as int8 (``absorbing`` < 0): 0 where the bias is 0, 1 where it
+    absorbs, 2 where it is neither (NaN too); ops Inductor lowers, for the graph as for the check."""
+    nonzero = call(aten.ne.Scalar, (bias, 0))
+    low = call(aten.le.Scalar, (bias, absorbing))
+    as_int8 = [call(prims.convert_element_type.default, (flag, torch.int8)) for flag in (nonzero, low)]
+    return call(aten.sub.Tensor, (call(aten.mul.Tensor, (as_int8[0], 2)), as_int8[1]))
+
+
+def route_when_causal(region: AttentionRegion, masks: CausalMasks, fuse_branch, fuse_read_branch=None) -> Optional[torch.fx.Node]:
+    """Replace the region by a ``cond`` between its copy with the causal formula, fused by ``fuse_branch`` (as the
+    in-function causal form is: SDPA's causal kernel where the SDPA route takes it, else ours), and its copy that
+    reads the masks, fused by ``fuse_read_branch`` (by default ``fuse_branch``; a mask that is not causal may still
+    be a band, ``band_tensor_route``), on ``known_causal`` of its masks' tensors; return the node standing for the
     branches' output, or None (the region left as it was)."""
+
+    def names(branch: torch.fx.GraphModule) -> tuple[str, str]:
+        on_sdpa = any(node.target in _FUSED_SDPA_OPS for node in branch.graph.nodes)
+        return "causal_sdpa" if on_sdpa else "causal_formula", "causal_fused"
+
+    return route_on_mask_check(
+        region, masks, lambda graph, copies, rows: _as_causal_formula(copies, masks, rows), known_causal,
+        (fuse_branch, fuse_read_branch or fuse_branch), names,
+    )
+
+
+def route_on_mask_check(region: AttentionRegion, masks: CausalMasks, rewrite, check_op, fuse: tuple, names) -> Optional[torch.fx.Node]:
+    """Replace the region by ``cond(check_op(tensors, source, rows), first, second, operands)``: two copies of the
+    region, the first rewritten by ``rewrite(graph, copies, rows)`` (False declines), fused by ``fuse``'s two
+    functions in turn, named by ``names(first)``; the tensors and source those of ``_mask_check``. The node standing
+    for the branches' output, or None (the region left as it was)."""
     check = _mask_check(masks)
     if check is None:
         return None
@@ -229,40 +254,60 @@ def route_when_causal(region: AttentionRegion, masks: CausalMasks, fuse_branch) 
     first, second = region_branch(region, output), region_branch(region, output)
     if first is None or second is None:
         return None
-    (causal_branch, operands, copies), (fused_branch, _, fused_copies) = first, second
-    if not _as_causal_formula(copies, masks, region.score_root.meta["val"].shape[-2]):
+    (formula_branch, operands, copies), (read_branch, _, read_copies) = first, second
+    rows = region.score_root.meta["val"].shape[-2]
+    if not rewrite(formula_branch.graph, copies, rows):
         return None
-    for branch in (causal_branch, fused_branch):
+    for branch, fuse_branch in zip((formula_branch, read_branch), fuse):
         fuse_branch(branch.graph)
-    if not all(getattr(copied[region.pv], "_erased", False) for copied in (copies, fused_copies)):
+    if not all(getattr(copied[region.pv], "_erased", False) for copied in (copies, read_copies)):
         return None  # a branch did not fuse (its matmuls are still there): it would be the unfused attention
-    result = finished(causal_branch)
-    finished(fused_branch)
+    result = finished(formula_branch)
+    finished(read_branch)
     inputs, source = check
-    flag = shared_check(region.pv.graph, known_causal, (inputs, source, result.shape[-2]), output, result)
-    on_sdpa = any(node.target in _FUSED_SDPA_OPS for node in causal_branch.graph.nodes)
-    names = ("causal_sdpa" if on_sdpa else "causal_formula", "causal_fused")
-    return branch_on(flag, dict(zip(names, (causal_branch, fused_branch))), operands, output)
+    flag = shared_check(region.pv.graph, check_op, (inputs, source, rows), output, result)
+    return branch_on(flag, dict(zip(names(formula_branch), (formula_branch, read_branch))), operands, output)
 
 
 def _as_causal_formula(copies: dict, masks: CausalMasks, rows: int) -> bool:
-    """The copies of the masks made the causal formula over ``rows`` rows and columns: a bias's add replaced by a
-    -inf ``where`` of it on the scores (always possible), each ``where``'s condition by the formula; False (a copy
-    left unusable) where a ``where`` would change shape."""
+    """The copies of the masks made the causal formula over ``rows`` rows and columns (``as_formula``)."""
+    return as_formula(copies, masks, lambda graph, device, masked, shape: _causal_formula(graph, rows, device, masked, shape))
+
+
+def as_formula(copies: dict, masks: CausalMasks, formula, minus_inf_fills: bool = False) -> bool:
+    """The copies of the masks made ``formula(graph, device, masked, shape)`` (a node inserted at the graph's
+    insertion point, True where it masks, or where it keeps when not ``masked``, expanded to ``shape``): a bias's
+    add replaced by a -inf ``where`` of it on the scores (always possible), each ``where``'s condition by the formula
+    (its fill by -inf with ``minus_inf_fills``); False (a copy left unusable) where a ``where`` would change shape."""
     if masks.bias is not None:
-        _causal_where_for_bias(copies[masks.bias[0]], copies[masks.bias[1]], rows)
+        _where_for_bias(copies[masks.bias[0]], copies[masks.bias[1]], formula)
     for original in masks.wheres:
         where = copies[original]
         condition = where.args[0]
         value = condition.meta["val"]
-        shape = list(torch.broadcast_shapes(value.shape, (rows, rows)))
+        rows, columns = where.meta["val"].shape[-2:]
+        shape = list(torch.broadcast_shapes(value.shape, (rows, columns)))
         others = [arg.meta["val"].shape for arg in where.args[1:] if isinstance(arg, torch.fx.Node)]
         if tuple(torch.broadcast_shapes(shape, *others)) != tuple(where.meta["val"].shape):
             return False
         with where.graph.inserting_before(where), _fake_mode_of(value):
-            formula = _causal_formula(where.graph, rows, value.device, fill_is_true_branch(where), shape)
-        where.replace_input_with(condition, formula)
+            where.replace_input_with(condition, formula(where.graph, value.device, fill_is_true_branch(where), shape))
+            if minus_inf_fills:
+                _fill_with_minus_inf(where)
     return True
+
+
+def _fill_with_minus_inf(where: torch.fx.Node) -> None:
+    """``where``'s fill (an absorbing finite constant) made -inf, in the fill's dtype."""
+    index = 1 if fill_is_true_branch(where) else 2
+    fill = where.args[index]
+    if isinstance(fill, torch.fx.Node):
+        value = fill.meta["val"]
+        fill = call_op(where.graph, aten.full.default, ([], -math.inf), dict(dtype=value.dtype, device=value.device,
+                                                                             pin_memory=False))
+    else:
+        fill = -math.inf
+    where.update_arg(index, fill)
 
 
 def _causal_formula(graph: torch.fx.Graph, rows: int, device: torch.device, masked: bool, shape: list) -> torch.fx.Node:
@@ -278,17 +323,18 @@ def _causal_formula(graph: torch.fx.Graph, rows: int, device: torch.device, mask
     return call_op(graph, aten.expand.default, (formula, shape))
 
 
-def _causal_where_for_bias(add: torch.fx.Node, scores: torch.fx.Node, rows: int) -> None:
-    """``scores + bias`` (a copy's) replaced by ``where(~(n <= m), -inf, scores)`` in the add's dtype and shape."""
+def _where_for_bias(add: torch.fx.Node, scores: torch.fx.Node, formula) -> None:
+    """``scores + bias`` (a copy's) replaced by ``where(masked, -inf, scores)`` in the add's dtype and shape, where
+    ``masked`` is ``formula``'s (see ``as_formula``)."""
     value = add.meta["val"]
     graph = add.graph
     with graph.inserting_before(add), _fake_mode_of(value):
         if scores.meta["val"].dtype != value.dtype:
             scores = call_op(graph, prims.convert_element_type.default, (scores, value.dtype))
-        formula = _causal_formula(graph, rows, value.device, True, list(value.shape))
+        masked = formula(graph, value.device, True, list(value.shape))
         fill = call_op(graph, aten.full.default, ([], -math.inf), dict(dtype=value.dtype, device=value.device,
                                                                         pin_memory=False))
-        masked = call_op(graph, aten.where.self, (formula, fill, scores))
+        masked = call_op(graph, aten.where.self, (masked, fill, scores))
     add.replace_all_uses_with(masked)
     graph.erase_node(add)  # (the scores' other use would keep the region from being found)
 

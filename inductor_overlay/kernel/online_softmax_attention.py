@@ -105,6 +105,7 @@ def online_softmax_attention_template(
     position_subgraphs: Optional[tuple[Optional[int], Optional[int]]] = None,
     affine_subgraph: Optional[int] = None,
     ragged: bool = False,
+    scalar_subgraphs: Optional[tuple[Optional[int], Optional[int]]] = None,
 ) -> TritonTemplate:
     """The kernel template (``templates/online_softmax_attention.py.jinja``) for operands with the given numbers of
     batch dims (q, kᵀ, v and, if there is a fourth, the sink), position mask (tests for entirely masked and entirely
@@ -116,7 +117,8 @@ def online_softmax_attention_template(
     guards (speculation), or None; ``shared_v``: the heads of a group share one pass (a softmax with no sink, pair
     reduction, id mask or mask table); ``stores_lse``: the kernel also writes the rows' log-sum-exp (training; one
     head, a softmax; there the exact redo is for captured positions alone, no guards being speculated); ``ragged``:
-    the loops over column tiles split where the tiles leave the bounds (``_ragged``)."""
+    the loops over column tiles split where the tiles leave the bounds (``_ragged``); ``scalar_subgraphs``: those of
+    the integer scalars the position tests read (``ops.SCALAR_READS``), read once before the pre-pass."""
     names, ranks = _kernel_inputs(batch_ranks, groups, shared_v, pair_rank, stores_lse)
     # What the lowerings make: speculation only for a softmax with no sink or pair reduction, no head groups in
     # training or with a pair reduction.
@@ -136,7 +138,7 @@ def online_softmax_attention_template(
         softmax=softmax, sink="SINK" in names, pair=pair_rank is not None, groups=groups, shared_v=shared_v,
         masked_tile=masked_tile_code, visible_tile=visible_tile_code, ids=id_subgraphs, table=table_subgraph,
         wide=wide_logits, exact_chain=exact_subgraph, stores_lse=stores_lse, positions=position_subgraphs,
-        affine=affine_subgraph, ragged=ragged,
+        affine=affine_subgraph, ragged=ragged, scalars=scalar_subgraphs,
     )
     return _template_of(source)
 
@@ -687,6 +689,13 @@ def _lower_attention(q, kt, v, captured, sink, chain, group_coefficients=None, p
             numbers.append(None if module is None else len(chains))
             chains += [] if module is None else [module]
         position_subgraphs = tuple(numbers)
+    scalar_subgraphs = None
+    if chain.scalar_graph_modules is not None and (masked_tile is not None or visible_tile is not None):
+        numbers = []
+        for module in chain.scalar_graph_modules:  # read once, before the pre-pass
+            numbers.append(None if module is None else len(chains))
+            chains += [] if module is None else [module]
+        scalar_subgraphs = tuple(numbers)
     affine_subgraph = None
     if chain.affine_graph_module is not None:
         affine_subgraph = len(chains)
@@ -772,7 +781,7 @@ def _lower_attention(q, kt, v, captured, sink, chain, group_coefficients=None, p
         id_mask=id_subgraphs is not None,
     )
     configs = _autotuned(configs)
-    template_key += (_ragged([config["BLOCK_N"] for config in configs], n),)
+    template_key += (_ragged([config["BLOCK_N"] for config in configs], n), scalar_subgraphs)
     for config in configs:
         error = online_softmax_attention_template(*template_key).maybe_append_choice(
             choices,

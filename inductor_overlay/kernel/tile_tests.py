@@ -15,7 +15,7 @@ from typing import Any, Optional, Sequence
 
 import sympy
 
-from inductor_overlay.ops import COL, COL_READ, ROW, ROW_READ
+from inductor_overlay.ops import COL, COL_READ, ROW, ROW_READ, SCALAR_READS
 
 # Over the row tile's id range [row_id_lo, row_id_hi] and the column ids of SCAN_TILES tiles ([SCAN_TILES, BLOCK_N]).
 IDS_ALL_EQUAL = "((row_id_lo == row_id_hi) & (tl.min(col_ids, 1) == row_id_lo) & (tl.max(col_ids, 1) == row_id_lo))"
@@ -106,6 +106,7 @@ _BOUNDS = {
     COL: _Interval("n_lo", "n_hi"),
     ROW_READ: _Interval("row_pos_lo", "row_pos_hi"),
     COL_READ: _Interval("col_pos_lo", "col_pos_hi"),
+    **{symbol: _Interval(f"scalar_read_{i}", f"scalar_read_{i}") for i, symbol in enumerate(SCALAR_READS)},
 }
 
 
@@ -130,10 +131,12 @@ def masked_tile_test(formula: Optional[sympy.Boolean], reads_vectors: bool = Tru
 
 
 def _without_reads(formula: Optional[sympy.Boolean]) -> Optional[sympy.Boolean]:
-    """The terms of an Or of masked conditions that read no position vector (where each holds, the Or does)."""
-    if formula is None or not formula.free_symbols & {ROW_READ, COL_READ}:
+    """The terms of an Or of masked conditions that read no position vector or scalar (where each holds, the Or
+    does)."""
+    reads = {ROW_READ, COL_READ, *SCALAR_READS}
+    if formula is None or not formula.free_symbols & reads:
         return formula
-    terms = [t for t in sympy.Or.make_args(formula) if not t.free_symbols & {ROW_READ, COL_READ}]
+    terms = [t for t in sympy.Or.make_args(formula) if not t.free_symbols & reads]
     return sympy.Or(*terms) if terms else None
 
 

@@ -1,0 +1,188 @@
+"""Attention masked by tensors made outside the graph runs with a band's formula (a causal window of W keys, a prefix
+of P keys every row sees) while those tensors hold that band, reading them otherwise (``fx_passes/band_tensor_route.py``,
+``mask_checks.known_band``), on the CPU harness, every call compared with float64 eager."""
+
+import pytest
+import torch
+from torch.testing import FileCheck
+
+from flashlight import testing
+from inductor_overlay import config, mask_checks
+from inductor_overlay.fx_passes import causal_tensor_route
+from test.test_attention_fusion import reference
+from test.test_causal_tensor_route import run_calls, spy_on_checks
+
+counters = torch._dynamo.utils.counters
+S = 96
+POSITIONS = torch.arange(S)
+ROWS, COLUMNS = POSITIONS[:, None], POSITIONS[None, :]
+KEEPS = {
+    "window": (COLUMNS <= ROWS) & (ROWS - COLUMNS < 24),
+    "prefix": (COLUMNS <= ROWS) | (COLUMNS < 20),
+    "window_and_prefix": ((COLUMNS <= ROWS) & (ROWS - COLUMNS < 24)) | (COLUMNS < 20),
+    "key_padding": (COLUMNS < 80).expand(S, S),  # every row keeps the first 80 keys: W = 0, P = 80
+}
+
+
+@pytest.fixture(autouse=True)
+def small_work_routed(monkeypatch):
+    """The tests' shapes are far below the least work the route takes on a GPU (``MIN_WORK``)."""
+    monkeypatch.setattr(causal_tensor_route, "MIN_WORK", 0)
+
+
+@pytest.fixture
+def answers(monkeypatch):
+    return spy_on_checks(monkeypatch, "is_known_band", "_start_band_check")
+
+
+def attention(mask: torch.Tensor, form: str, softcap: bool = False):
+    """Attention masked by ``mask`` (True where kept) as model code writes it: a -inf ``masked_fill``, a ``finfo.min``
+    fill (GPT-2), or an additive float mask ``[1, 1, S, S]`` of 0 and ``finfo.min`` (Hugging Face)."""
+    additive = torch.zeros(1, 1, S, S, dtype=torch.bfloat16).masked_fill(~mask, torch.finfo(torch.bfloat16).min)
+
+    def fn(q, k, v):
+        scores = q @ k.transpose(-1, -2) * 0.25
+        if softcap:
+            scores = 5.0 * torch.tanh(scores / 5.0)
+        if form == "masked_fill":
+            scores = scores.masked_fill(~mask, float("-inf"))
+        elif form == "finfo_min":
+            scores = torch.where(mask, scores, torch.finfo(scores.dtype).min)
+        else:
+            scores = scores + additive
+        return torch.softmax(scores, -1) @ v  # (in the dtype of the scores: float64 for the reference)
+
+    return fn
+
+
+def inputs():
+    return tuple(torch.randn(1, 2, S, 16, dtype=torch.bfloat16) * 2 for _ in range(3))
+
+
+def band_kernel(code) -> str:
+    """The fused kernel of the branch with the band's formula."""
+    text = "\n".join(code)
+    branch = text[text.index("def causal_fused_0_band_formula_0(") :]
+    name = branch[branch.index("triton_tem_fused_") :].split(".run(")[0]
+    return testing.triton_kernels(code)[name]
+
+
+@pytest.mark.parametrize("form", ["masked_fill", "finfo_min", "additive"])
+@pytest.mark.parametrize("band", list(KEEPS))
+def test_a_band_from_tensors_runs_its_formula_from_its_check_on(band, form, answers):
+    """First call: the mask is new, read. Second: the causal check answers False and the band's check runs (at once on
+    the CPU), then the band's branch answers: its kernel reads W and P once and skips and splits tiles by them, the
+    mask never read."""
+    code = run_calls(attention(KEEPS[band].clone(), form), inputs(), 4)
+    assert answers["answers"] == [False, True, True, True] and answers["checks"] == 1
+    FileCheck().check("def causal_fused_0_band_formula_0").check("def causal_fused_0_band_mask_read_0").check(
+        "flashlight.known_band.default(").check(".item():").check("causal_fused_0_band_formula_0").run("\n".join(code))
+    kernel = band_kernel(code)
+    FileCheck().check("scalar_read_0 = ").check("scalar_read_1 = ").check("masked = ").check("scalar_read_0").check(
+        "visible = ").check("for start_n in range(full_lo, full_hi").run(kernel)
+    assert counters["inductor"]["flashlight_attention_band_route"] == 1
+
+
+def test_a_soft_capped_finite_fill_takes_the_route(answers):
+    """``where(keep, c · tanh(s / c), finfo.min)`` (Gemma-2's window with GPT-2's fill): the fill absorbs after a
+    soft-cap, whose tanh bounds the kept logits."""
+    code = run_calls(attention(KEEPS["window"].clone(), "finfo_min", softcap=True), inputs(), 3)
+    assert answers["answers"] == [False, True, True]
+    FileCheck().check("scalar_read_0").check("masked = ").run(band_kernel(code))
+
+
+@pytest.mark.parametrize("case", ["sinks", "one_cell", "batch_entry", "no_key"])
+def test_a_mask_that_is_not_a_band_is_read(case, answers):
+    """A window with sinks (rows before the sinks' end do not see them all), a band with one cell flipped, a band in
+    one batch entry only, and a mask that keeps no key (finite fill: eager averages V; a band must keep one per row):
+    checked once, read on every call, eager's result."""
+    if case == "sinks":
+        mask = (COLUMNS <= ROWS) & ((ROWS - COLUMNS < 24) | (COLUMNS < 4))
+    elif case == "one_cell":
+        mask = KEEPS["window"].clone()
+        mask[70, 3] = True
+    elif case == "batch_entry":
+        mask = torch.stack([KEEPS["window"], KEEPS["window"].clone().index_fill_(1, torch.tensor([5]), False)])[:, None]
+    else:
+        mask = torch.zeros(S, S, dtype=torch.bool)
+    form = "finfo_min" if case == "no_key" else "masked_fill"
+    q, k, v = inputs()
+    if case == "batch_entry":
+        q, k, v = (torch.cat([t, t]) for t in (q, k, v))
+    run_calls(attention(mask, form), (q, k, v), 4)
+    assert answers["answers"] == [False] * 4 and answers["checks"] == 1
+
+
+def test_a_mask_written_in_place_is_checked_again():
+    """A window mask written in place between calls: first another band (a narrower window: W read again), then no
+    band (one cell flipped), then the window again. Every call matches eager on the mask it reads; an answer never
+    outlives the version it was checked at."""
+    mask = KEEPS["window"].clone()
+
+    def kwargs_of_call(call):
+        if call == 3:
+            mask.copy_((COLUMNS <= ROWS) & (ROWS - COLUMNS < 9))
+        if call == 6:
+            mask[50, 2] = True
+        if call == 8:
+            mask.copy_(KEEPS["window"])
+        return {}
+
+    seen = []
+    answer = mask_checks.is_known_band
+
+    def spy(*args):
+        seen.append(answer(*args))
+        return seen[-1]
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(mask_checks, "is_known_band", spy)
+        run_calls(attention(mask, "masked_fill"), inputs(), 11, kwargs_of_call)
+    assert seen == [False, True, True, False, True, True, False, False, False, True, True]
+
+
+def test_no_band_route_with_the_switch_off(answers):
+    with config.patch(band_tensor_route=False):
+        code = run_calls(attention(KEEPS["window"].clone(), "masked_fill"), inputs(), 3)
+    FileCheck().check_not("known_band").run("\n".join(code))
+    assert answers["answers"] == []
+
+
+def _window_of_captured_width(width: torch.Tensor):
+    def fn(q, k, v):
+        scores = q @ k.transpose(-1, -2) * 0.25
+        positions = torch.arange(q.shape[-2])
+        keep = (positions[None, :] <= positions[:, None]) & (positions[:, None] - positions[None, :] < width)
+        return torch.softmax(scores.masked_fill(~keep, float("-inf")), -1) @ v
+
+    return fn
+
+
+def test_a_width_read_from_a_captured_scalar_skips_tiles():
+    """``(n <= m) & (m - n < w)`` with ``w`` a captured 0-d integer tensor, fused without the routes: in inference
+    the kernel reads ``w`` once and skips tiles by it (a new value takes effect at the next call)."""
+    width = torch.tensor(24)
+    fn = _window_of_captured_width(width)
+    q, k, v = inputs()
+    torch._dynamo.reset()
+    with testing.cpu_triton(), config.patch(causal_tensor_route=False):
+        compiled = torch.compile(fn)
+        out, code = testing.run_keeping_graphs_and_get_code(compiled, q, k, v)
+        testing.assert_close_to_reference(out, reference(fn, q, k, v))
+        width.fill_(9)
+        testing.assert_close_to_reference(compiled(q, k, v), reference(fn, q, k, v))
+    (name,) = [name for name in testing.triton_kernels(code) if "tem_fused" in name]
+    FileCheck().check("scalar_read_0 = ").check("masked = ").check("scalar_read_0").run(testing.triton_kernels(code)[name])
+
+
+def test_a_captured_scalar_width_trains_computed_per_element():
+    """The same in training, where the kernels read no scalar: the forward and the backward compute the mask per
+    element, and match eager (gradients too) as the width changes."""
+    from test.test_training import assert_fused_training, train_calls
+
+    width = torch.tensor(24)
+    args = [t.float().requires_grad_() for t in inputs()]
+    code = train_calls(_window_of_captured_width(width), args, 3, lambda call: width.fill_(24 - 7 * call),
+                       causal_tensor_route=False)
+    assert_fused_training(code, S * S)
+    assert "scalar_read" not in "\n".join(code)
