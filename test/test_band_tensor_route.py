@@ -186,3 +186,25 @@ def test_a_captured_scalar_width_trains_computed_per_element():
                        causal_tensor_route=False)
     assert_fused_training(code, S * S)
     assert "scalar_read" not in "\n".join(code)
+
+
+def test_a_scalar_read_inside_a_term_no_formula_bounds_is_not_counted():
+    """``m - n < a`` and ``n >= where(b > 1, b, 0)`` over captured 0-d tensors: the formula reads two scalars, ``a``
+    and the ``where`` (``b``, read while trying to bound the ``where``, does not count), so both bound tiles."""
+    a, b = torch.tensor(24), torch.tensor(10)
+
+    def fn(q, k, v):
+        scores = q @ k.transpose(-1, -2) * 0.25
+        positions = torch.arange(q.shape[-2])
+        rows, columns = positions[:, None], positions[None, :]
+        keep = (rows - columns < a) & (columns >= torch.where(b > 1, b, 0)) & (columns <= rows)
+        return torch.softmax(scores.masked_fill(~keep, float("-inf")), -1) @ v
+
+    q, k, v = inputs()
+    torch._dynamo.reset()
+    with testing.cpu_triton(), config.patch(causal_tensor_route=False):
+        out, code = testing.compile_and_get_code(fn, q, k, v)
+    testing.assert_close_to_reference(out, reference(fn, q, k, v))
+    (name,) = [name for name in testing.triton_kernels(code) if "tem_fused" in name]
+    FileCheck().check("scalar_read_0 = ").check("scalar_read_1 = ").check("masked = ").check("scalar_read_1").run(
+        testing.triton_kernels(code)[name])
