@@ -688,6 +688,30 @@ def test_additive_mask_under_a_softcap_is_read_per_element():
     testing.assert_close_to_reference(out, _bias_then_softcap(q.double(), k.double(), v.double(), attention_mask))
 
 
+def _softcap_then_bias(q, k, v, attention_mask):
+    bias = (1.0 - attention_mask[:, None, None, :].to(q.dtype)) * torch.finfo(q.dtype).min
+    return torch.softmax(30 * torch.tanh(q @ k.transpose(-1, -2) / 30) + bias, dim=-1) @ v
+
+
+def test_additive_mask_after_a_softcap_gets_a_table():
+    """Gemma-2's order, a soft-cap and then the padding mask: the tanh bounds the logits before the bias, so an
+    absorbing bias drops its tiles (poisoned values there never reach the output); a batch entry with no key kept
+    gets the mean of V, as in eager."""
+    q, k, v = (torch.randn(3, 2, 70, 16) for _ in range(3))
+    k, v = (torch.randn(3, 2, 100, 16) for _ in range(2))
+    attention_mask = (torch.arange(100)[None, :] < torch.tensor([40, 100, 0])[:, None]).long()
+    poisoned = v.clone()
+    poisoned[0, :, 64:] = float("nan")
+    with testing.cpu_triton(), config.patch(sdpa_pattern_policy="flashlight"):
+        out, code = testing.compile_and_get_code(_softcap_then_bias, q, k, poisoned, attention_mask)
+    kernel = next(text for text in testing.triton_kernels(code).values() if "for start_n in range(" in text)
+    FileCheck().check("cell_states = ").check("| (table_lo == 2) | (n_lo >= N)").run(kernel)
+    expected = _softcap_then_bias(q.double(), k.double(), v.double(), attention_mask)
+    assert not out.isnan().any() and not expected.isnan().any()
+    testing.assert_close_to_reference(out, expected)
+    testing.assert_close_to_reference(out[2], v[2].double().mean(-2, keepdim=True).expand_as(out[2]))
+
+
 def _hf_eager_attention(q, k, v, attention_mask_4d):
     scores = q @ k.transpose(-1, -2) * q.shape[-1] ** -0.5 + attention_mask_4d
     return torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype) @ v

@@ -690,9 +690,9 @@ def additive_bias(
     """The add of a floating-point bias ``[..., M or 1, N]`` (static sizes) to the scores, the add's side computed
     from the scores, and the bias (its expands taken off), or None. The add (with no ``alpha``) must be the last op
     on the score path (up to dtype conversions), and, where ``scaled_scores_only``, every op before it a dtype
-    conversion or a product with a constant: any other mask or transform on that path could make a row's largest
-    bias a poor witness that the row keeps a key (a check of the bias's values that finds each row's own key kept
-    needs no such rule: ``causal_tensor_route``)."""
+    conversion, a product with a constant or a tanh (a soft-cap: finite wherever its input is, and bounded): any
+    other mask or transform on that path could make a row's largest bias a poor witness that the row keeps a key (a
+    check of the bias's values that finds each row's own key kept needs no such rule: ``causal_tensor_route``)."""
     rows, columns = scores.meta["val"].shape[-2:]
     add = logits
     while is_op(add, prims.convert_element_type.default):
@@ -707,6 +707,8 @@ def additive_bias(
     bias = next(arg for arg in sides if arg is not on_path[0])
     for node in chain if scaled_scores_only else ():
         if node is add or not depends_on(node, scores, memo) or node.op != "call_function":
+            continue
+        if node.target is aten.tanh.default:
             continue
         if node.target not in _SCALING:
             return None
