@@ -465,7 +465,7 @@ def check(p: Program, device: str = "cpu", training: bool = False, dynamic: bool
         verdict = "" if same_nans and close else " NaNs differ" if not same_nans else " NOT CLOSE"
         details.append(f"max error {(actual.double() - reference).abs().nan_to_num(0).max().item():.2e} (slack {slack:.1e}){verdict}")
     as_sdpa = " (as SDPA)" if counters["inductor"]["flashlight_attention_as_sdpa"] else ""
-    routed = "".join(f" ({name} route)" for name in ("arange", "causal")
+    routed = "".join(f" ({name} route)" for name in ("arange", "causal", "band")
                      if counters["inductor"][f"flashlight_attention_{name}_route"])
     return matches, fused, "; ".join(details) + as_sdpa + routed + (" OVERLAY FAULT (fell back)" if faulted else "")
 
