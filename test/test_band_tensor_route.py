@@ -2,6 +2,8 @@
 of P keys every row sees) while those tensors hold that band, reading them otherwise (``fx_passes/band_tensor_route.py``,
 ``mask_checks.known_band``), on the CPU harness, every call compared with float64 eager."""
 
+import re
+
 import pytest
 import torch
 from torch.testing import FileCheck
@@ -78,9 +80,63 @@ def test_a_band_from_tensors_runs_its_formula_from_its_check_on(band, form, answ
     FileCheck().check("def causal_fused_0_band_formula_0").check("def causal_fused_0_band_mask_read_0").check(
         "flashlight.known_band.default(").check(".item():").check("causal_fused_0_band_formula_0").run("\n".join(code))
     kernel = band_kernel(code)
-    FileCheck().check("scalar_read_0 = ").check("scalar_read_1 = ").check("masked = ").check("scalar_read_0").check(
-        "visible = ").check("for start_n in range(full_lo, full_hi").run(kernel)
+    FileCheck().check("scalar_read_0 = ").check("scalar_read_1 = ").check("visible = ").check(
+        "for start_n in range(full_lo, full_hi").run(kernel)
+    (masked_test,) = re.findall(r"^\s*masked = (.*)$", kernel, re.M)
+    assert "scalar_read_0" in masked_test and "scalar_read_1" in masked_test
     assert counters["inductor"]["flashlight_attention_band_route"] == 1
+
+
+def test_a_band_in_every_batch_entry_takes_the_route(answers):
+    """A ``[B, 1, S, S]`` mask whose entries are all the same band: routed (the check compares every entry)."""
+    mask = KEEPS["window"].expand(2, 1, S, S).clone()
+    q, k, v = (torch.cat([t, t.flip(0)]) for t in inputs())
+    run_calls(attention(mask, "masked_fill"), (q, k, v), 3)
+    assert answers["answers"] == [False, True, True]
+
+
+@pytest.mark.parametrize("case", ["window", "window_and_padding", "minus_1e4", "kept_bias", "nan"])
+def test_masks_of_two_wheres_and_biases_that_are_no_band(case, answers):
+    """Two masks in two -inf ``where``s (a window and a key padding that keeps every key: a band; that keeps 80: no
+    band), an additive mask filling -1e4 (not absorbing), one adding a nonzero bias where it keeps, one with a NaN:
+    the check compares them as they mask; only the first is routed, and each call is eager's."""
+    window, padding = KEEPS["window"], (COLUMNS < (80 if case == "window_and_padding" else S)).expand(S, S)
+
+    def two_wheres(q, k, v):
+        scores = (q @ k.transpose(-1, -2) * 0.25).masked_fill(~window, float("-inf"))
+        return torch.softmax(scores.masked_fill(~padding, float("-inf")), -1) @ v
+
+    additive = torch.zeros(1, 1, S, S, dtype=torch.bfloat16)
+    if case == "minus_1e4":
+        additive.masked_fill_(~window, -1e4)
+    elif case in ("kept_bias", "nan"):
+        additive.masked_fill_(~window, torch.finfo(torch.bfloat16).min)
+        additive[..., 50, 40] = 0.5 if case == "kept_bias" else float("nan")
+
+    def added(q, k, v):
+        return torch.softmax(q @ k.transpose(-1, -2) * 0.25 + additive, -1) @ v
+
+    fn = two_wheres if case.startswith("window") else added
+    run_calls(fn, inputs(), 3)
+    assert answers["answers"] == ([False, True, True] if case == "window" else [False] * 3)
+
+
+@pytest.mark.parametrize("case, expected", [
+    ("window", True), ("key_padding", True), ("one_row", True), ("one_sink", False), ("no_key", False),
+    ("prefix_of_one", True),
+])
+def test_the_band_check_on_masks_directly(case, expected):
+    """``known_band`` on masks made directly (True where masked): the parameters read off their rows, the band
+    compared everywhere; a row keeping no key, or a window with one sink (P = 1 reads as no prefix), is no band."""
+    mask_checks._SIGHTINGS.clear()
+    source = "def forward(self, input_0):\n    return torch.ops.aten.bitwise_not.default(input_0)\n"
+    keep = {
+        "window": KEEPS["window"], "key_padding": KEEPS["key_padding"], "one_row": torch.ones(1, 1, dtype=torch.bool),
+        "one_sink": (COLUMNS <= ROWS) & ((ROWS - COLUMNS < 24) | (COLUMNS < 1)),
+        "no_key": torch.zeros(S, S, dtype=torch.bool), "prefix_of_one": (COLUMNS <= ROWS) | (COLUMNS < 1),
+    }[case].clone()
+    rows = keep.shape[-1]
+    assert [mask_checks.is_known_band([keep], source, rows) for _ in range(3)] == [False, expected, expected]
 
 
 def test_a_soft_capped_finite_fill_takes_the_route(answers):
@@ -208,3 +264,31 @@ def test_a_scalar_read_inside_a_term_no_formula_bounds_is_not_counted():
     (name,) = [name for name in testing.triton_kernels(code) if "tem_fused" in name]
     FileCheck().check("scalar_read_0 = ").check("scalar_read_1 = ").check("masked = ").check("scalar_read_1").run(
         testing.triton_kernels(code)[name])
+
+
+@pytest.mark.parametrize("shared", [True, False])
+def test_scalar_reads_in_head_groups(shared):
+    """DiffAttn's head pairs masked by a window of a captured width: the kernel reads the width once for the group,
+    whether its heads share one pass or run in turn."""
+    from benchmarks.programs import diff_attention, diff_inputs
+
+    width = torch.tensor(9)
+
+    def fn(q, k, v, lam):
+        positions = torch.arange(q.shape[-2])
+        keep = (positions[None, :] <= positions[:, None]) & (positions[:, None] - positions[None, :] < width)
+        b, two_h, m, d = q.shape
+        weights = torch.softmax((q @ k.transpose(-1, -2) * d**-0.5).masked_fill(~keep, float("-inf")), dim=-1)
+        weights = weights.view(b, two_h // 2, 2, m, k.shape[-2])
+        return (weights[:, :, 0] - lam * weights[:, :, 1]) @ v
+
+    operands = diff_inputs(S=70)
+    torch._dynamo.reset()
+    with testing.cpu_triton(), config.patch(causal_tensor_route=False, share_v_tile_in_head_groups=shared,
+                                            fault_containment=False):
+        out, code = testing.compile_and_get_code(fn, **operands)
+    testing.assert_close_to_reference(out, reference(fn, **operands))
+    (name,) = [name for name in testing.triton_kernels(code) if "tem_fused" in name]
+    kernel = testing.triton_kernels(code)[name]
+    assert ("fl_z0 = " in kernel) == shared
+    FileCheck().check("scalar_read_0 = ").check("masked = ").run(kernel)

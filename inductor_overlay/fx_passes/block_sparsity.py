@@ -196,6 +196,12 @@ class PositionReads:
         self.scalars.append(node)
         return SCALAR_READS[len(self.scalars) - 1]
 
+    def copy(self) -> "PositionReads":
+        """A copy that reads the same vectors so far, and whose reads from now on are its own."""
+        copied = copy.copy(self)
+        copied.scalars = None if self.scalars is None else list(self.scalars)
+        return copied
+
     def state(self) -> tuple:
         return self.rows, self.columns, None if self.scalars is None else list(self.scalars)
 
@@ -637,7 +643,7 @@ def matched_tensor_masks(
                 and value.shape[-1] == columns
                 and (value.shape[-2] == rows or (value.shape[-2] == 1 and static_rows))
                 and all(isinstance(size, int) for size in value.shape)
-                and not _known_terms([(term, negated)], copy.copy(reads))
+                and not _known_terms([(term, negated)], None if reads is None else reads.copy())
                 and _id_sides(term, negated, scores) is None
                 and not depends_on(term, scores, {})
             ):

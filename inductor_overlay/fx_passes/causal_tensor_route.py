@@ -298,13 +298,13 @@ def as_formula(copies: dict, masks: CausalMasks, formula, minus_inf_fills: bool 
 
 
 def _fill_with_minus_inf(where: torch.fx.Node) -> None:
-    """``where``'s fill (an absorbing finite constant) made -inf, in the fill's dtype."""
+    """``where``'s fill (an absorbing finite constant) made -inf, in the fill's dtype and shape."""
     index = 1 if fill_is_true_branch(where) else 2
     fill = where.args[index]
     if isinstance(fill, torch.fx.Node):
         value = fill.meta["val"]
-        fill = call_op(where.graph, aten.full.default, ([], -math.inf), dict(dtype=value.dtype, device=value.device,
-                                                                             pin_memory=False))
+        fill = call_op(where.graph, aten.full.default, (list(value.shape), -math.inf),
+                       dict(dtype=value.dtype, device=value.device, pin_memory=False))
     else:
         fill = -math.inf
     where.update_arg(index, fill)
