@@ -113,9 +113,9 @@ def band_parameters(masked: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def band_masked(rows: torch.Tensor, columns: torch.Tensor, width: torch.Tensor, prefix: torch.Tensor) -> torch.Tensor:
     """Where the band of ``band_parameters`` masks, for row positions ``rows`` ``[R', 1]`` and column positions
-    ``columns`` ``[1, R]`` (integers below 2^31 - R in magnitude: exact in int32, as the graph computes it): not (a key at most W − 1 before its row and not after it, or among the first
-    P). The graph writes the window's lower end ``rows - width`` and the prefix's ``columns - prefix`` as vectors
-    its kernel bounds per tile."""
+    ``columns`` ``[1, R]`` (integers below 2^31 - R in magnitude: exact in int32, as the graph computes it): not (a
+    key at most W − 1 before its row and not after it, or among the first P). The graph's copy computes it with W
+    and P as scalars its kernel reads once."""
     return ~(((columns <= rows) & (columns >= rows - width + 1)) | (columns - prefix < 0))
 
 

@@ -9,10 +9,11 @@ row keeps when more than one, W the keys from P on its last row keeps). Where ev
 ``~(((n <= m) & (m - n < W)) | (n < P))``, with W ≥ 1 or P ≥ 1 (every row keeps a key: its own, or the first), the
 region computes exactly its copy in which each mask is that formula and each fill -inf: a fill or bias that absorbs
 where every row keeps a key adds exactly 0 to its row's sums, as -inf does (for logits up to 2^124, as for the causal
-route). W and P are computed in the copy from the mask's two rows by the function the check uses, on the same
-tensors, so they are the values the check compared with. The copy's kernel bounds the band per tile from the
-vectors ``m - W`` (at the rows) and ``n - P`` (at the columns), as it bounds positions read from memory, and runs the
-entirely visible tiles without mask.
+route; for a bias, a NaN or infinite logit at a masked position, which eager carries into its row, is -inf in the
+copy). W and P are computed in the copy from the mask's two rows by the function the check uses, on the same
+tensors, so they are the values the check compared with. The copy's kernel reads W and P once (integer scalars of
+its formula, ``ops.SCALAR_READS``), skips and splits tiles by them as the in-function form does by its constants,
+and runs the entirely visible tiles without mask.
 
 The region becomes ``torch.cond(known_band(tensors), band_branch, fused_branch, operands)``
 (``mask_checks.known_band``: checked on the device from the second call that sees the same tensors at the same
