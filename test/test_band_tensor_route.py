@@ -123,7 +123,7 @@ def test_masks_of_two_wheres_and_biases_that_are_no_band(case, answers):
 
 @pytest.mark.parametrize("case, expected", [
     ("window", True), ("key_padding", True), ("one_row", True), ("one_sink", False), ("no_key", False),
-    ("prefix_of_one", True),
+    ("causal", True),
 ])
 def test_the_band_check_on_masks_directly(case, expected):
     """``known_band`` on masks made directly (True where masked): the parameters read off their rows, the band
@@ -133,7 +133,7 @@ def test_the_band_check_on_masks_directly(case, expected):
     keep = {
         "window": KEEPS["window"], "key_padding": KEEPS["key_padding"], "one_row": torch.ones(1, 1, dtype=torch.bool),
         "one_sink": (COLUMNS <= ROWS) & ((ROWS - COLUMNS < 24) | (COLUMNS < 1)),
-        "no_key": torch.zeros(S, S, dtype=torch.bool), "prefix_of_one": (COLUMNS <= ROWS) | (COLUMNS < 1),
+        "no_key": torch.zeros(S, S, dtype=torch.bool), "causal": (COLUMNS <= ROWS) | (COLUMNS < 1),
     }[case].clone()
     rows = keep.shape[-1]
     assert [mask_checks.is_known_band([keep], source, rows) for _ in range(3)] == [False, expected, expected]
@@ -292,3 +292,32 @@ def test_scalar_reads_in_head_groups(shared):
     kernel = testing.triton_kernels(code)[name]
     assert ("fl_z0 = " in kernel) == shared
     FileCheck().check("scalar_read_0 = ").check("masked = ").run(kernel)
+
+
+def test_a_probe_of_a_term_keeps_its_scalar_reads_to_itself():
+    """``PositionReads.copy``: what a copy reads is not read by the original (``matched_tensor_masks`` probes terms
+    on a copy)."""
+    from inductor_overlay.fx_passes.block_sparsity import PositionReads
+
+    graph = torch.fx.Graph()
+    scores, width = graph.placeholder("scores"), graph.placeholder("width")
+    reads = PositionReads(scores, lambda node: True, scalars=True)
+    reads.copy().scalar(width)
+    assert reads.scalars == []
+
+
+def test_no_route_at_a_symbolic_length(answers):
+    """A window mask passed in, compiled with symbolic sizes: no checked route (the check and the formula are built
+    for one size), the mask read at every length, eager's result."""
+    def fn(q, k, v, keep):
+        return torch.softmax((q @ k.transpose(-1, -2) * 0.25).masked_fill(~keep, float("-inf")), -1) @ v
+
+    torch._dynamo.reset()
+    with testing.cpu_triton(), config.patch(fault_containment=False):
+        compiled = torch.compile(fn, dynamic=True)
+        for length in (S, S - 16):
+            q, k, v = (t[..., :length, :] for t in inputs())
+            keep = KEEPS["window"][:length, :length].clone()
+            for _ in range(3):
+                testing.assert_close_to_reference(compiled(q, k, v, keep), reference(fn, q, k, v, keep))
+    assert answers["answers"] == [] and counters["inductor"]["flashlight_route_fault"] == 0

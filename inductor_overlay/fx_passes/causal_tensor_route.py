@@ -51,6 +51,7 @@ from inductor_overlay.fx_passes.attention_region import AttentionRegion
 from inductor_overlay.fx_passes.block_sparsity import (
     ABSORBING_BIAS_GAP,
     additive_bias,
+    constant_value,
     depends_on,
     fill_is_true_branch,
     fills_a_score,
@@ -107,6 +108,8 @@ def _tensor_masks(region: AttentionRegion) -> Optional[CausalMasks]:
         return None
     if not region.softmax or region.pair is not None:  # (a pair output reads the probabilities outside the copy)
         return None
+    if not all(isinstance(size, int) for size in region.score_root.meta["val"].shape):
+        return None  # (a symbolic length: the check and the formula are built for one size)
     *_, rows, columns = region.score_root.meta["val"].shape
     fills = fills_absorbing_where_rows_keep_keys(region.chain, region.score_root, region.logits, region.logit_scale)
     wheres = [node for node in region.chain if masked_terms(node, fills) is not None]
@@ -301,6 +304,8 @@ def _fill_with_minus_inf(where: torch.fx.Node) -> None:
     """``where``'s fill (an absorbing finite constant) made -inf, in the fill's dtype and shape."""
     index = 1 if fill_is_true_branch(where) else 2
     fill = where.args[index]
+    if constant_value(fill) == -math.inf:
+        return
     if isinstance(fill, torch.fx.Node):
         value = fill.meta["val"]
         fill = call_op(where.graph, aten.full.default, (list(value.shape), -math.inf),
