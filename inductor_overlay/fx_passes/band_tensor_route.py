@@ -30,7 +30,13 @@ from torch._inductor.pattern_matcher import stable_topological_sort
 
 from inductor_overlay import config
 from inductor_overlay.fx_passes.attention_region import AttentionRegion
-from inductor_overlay.fx_passes.causal_tensor_route import CausalMasks, _tensor_masks, as_formula, masked_by, route_on_mask_check
+from inductor_overlay.fx_passes.causal_tensor_route import (
+    CausalMasks,
+    _tensor_masks,
+    as_formula,
+    masked_by,
+    route_on_mask_check,
+)
 from inductor_overlay.fx_passes.fx_helpers import call_op, call_traced, prims
 from inductor_overlay.mask_checks import band_masked, band_parameters, known_band
 

@@ -95,7 +95,8 @@ def _value(
     and columns (-1: the node is broadcast along it), by default its last two; each operand is followed with the
     dims that its op reads there, so a position is m or n by where it meets the logits, not by its own shape. With
     ``reads``, an integer vector read from memory along the rows or the columns is the symbol ROW_READ or COL_READ,
-    an integer scalar one of SCALAR_READS (``PositionReads``); ``aligned``: every op from the formula's root to ``node`` broadcasts right-aligned."""
+    an integer scalar one of SCALAR_READS (``PositionReads``); ``aligned``: every op from the formula's root to
+    ``node`` broadcasts right-aligned."""
     if isinstance(node, bool):
         return sympy.true if node else sympy.false
     if isinstance(node, (int, float)):
@@ -172,9 +173,9 @@ class PositionReads:
     """The integer vectors a formula reads from memory, one per axis at most: ``rows`` (the symbol ROW_READ) varies
     along the logits' rows only, ``columns`` (COL_READ) along their columns only; and, where the kernel reads them,
     up to two integer scalars (``scalars``, the symbols SCALAR_READS: a band's width and prefix computed in the
-    graph, a window size kept as a tensor). Each is a node whose value,
-    broadcast right-aligned to the scores, is that vector at every logit (``pos[:, None]``, or ``pos`` itself for the
-    columns); the kernel bounds it per tile from the values it reads. Positions made once outside the compiled
+    graph, a window size kept as a tensor). Each vector is a node whose value, broadcast right-aligned to the scores,
+    is that vector at every logit (``pos[:, None]``, or ``pos`` itself for the columns); the kernel bounds it per
+    tile from the values it reads. Positions made once outside the compiled
     function, a registered buffer of them, HF's ``position_ids``."""
 
     def __init__(self, scores: torch.fx.Node, readable: Callable[[torch.fx.Node], bool], scalars: bool = False) -> None:
@@ -186,6 +187,7 @@ class PositionReads:
         self.scalars: Optional[list[torch.fx.Node]] = [] if scalars else None
 
     def scalar(self, node: torch.fx.Node) -> sympy.Symbol:
+        """``node``'s symbol among SCALAR_READS (the one of an equal node read before, else the next)."""
         if self.scalars is None:
             raise Unknown(node)
         for index, known in enumerate(self.scalars):
@@ -246,9 +248,10 @@ def _same_value(a: object, b: object) -> bool:
 
 def _read_vector(node: object, dims: tuple[int, int], reads: Optional[PositionReads], aligned: bool) -> sympy.Symbol:
     """``node`` as ROW_READ or COL_READ: an integer tensor computed without the scores that varies along the rows
-    only or the columns only (or, of one element, a scalar: ``PositionReads.scalar``), and whose broadcast to the scores puts that axis where it meets them (its rows dim
-    second to last over a last dim of 1, or its columns dim last; with a view between it and the formula's root, no
-    other dim of size above 1, since the view may have moved its batch dims)."""
+    only or the columns only (or, of one element, a scalar: ``PositionReads.scalar``), and whose broadcast to the
+    scores puts that axis where it meets them (its rows dim second to last over a last dim of 1, or its columns dim
+    last; with a view between it and the formula's root, no other dim of size above 1, since the view may have
+    moved its batch dims)."""
     value = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
     if reads is None or not isinstance(value, torch.Tensor) or value.dtype.is_floating_point:
         raise Unknown(node)

@@ -228,7 +228,9 @@ def _bias_states(call, bias: torch.fx.Node, absorbing: float) -> torch.fx.Node:
     return call(aten.sub.Tensor, (call(aten.mul.Tensor, (as_int8[0], 2)), as_int8[1]))
 
 
-def route_when_causal(region: AttentionRegion, masks: CausalMasks, fuse_branch, fuse_read_branch=None) -> Optional[torch.fx.Node]:
+def route_when_causal(
+    region: AttentionRegion, masks: CausalMasks, fuse_branch, fuse_read_branch=None
+) -> Optional[torch.fx.Node]:
     """Replace the region by a ``cond`` between its copy with the causal formula, fused by ``fuse_branch`` (as the
     in-function causal form is: SDPA's causal kernel where the SDPA route takes it, else ours), and its copy that
     reads the masks, fused by ``fuse_read_branch`` (by default ``fuse_branch``; a mask that is not causal may still
@@ -245,7 +247,9 @@ def route_when_causal(region: AttentionRegion, masks: CausalMasks, fuse_branch, 
     )
 
 
-def route_on_mask_check(region: AttentionRegion, masks: CausalMasks, rewrite, check_op, fuse: tuple, names) -> Optional[torch.fx.Node]:
+def route_on_mask_check(
+    region: AttentionRegion, masks: CausalMasks, rewrite, check_op, fuse: tuple, names
+) -> Optional[torch.fx.Node]:
     """Replace the region by ``cond(check_op(tensors, source, rows), first, second, operands)``: two copies of the
     region, the first rewritten by ``rewrite(graph, copies, rows)`` (False declines), fused by ``fuse``'s two
     functions in turn, named by ``names(first)``; the tensors and source those of ``_mask_check``. The node standing
@@ -274,7 +278,9 @@ def route_on_mask_check(region: AttentionRegion, masks: CausalMasks, rewrite, ch
 
 def _as_causal_formula(copies: dict, masks: CausalMasks, rows: int) -> bool:
     """The copies of the masks made the causal formula over ``rows`` rows and columns (``as_formula``)."""
-    return as_formula(copies, masks, lambda graph, device, masked, shape: _causal_formula(graph, rows, device, masked, shape))
+    return as_formula(
+        copies, masks, lambda graph, device, masked, shape: _causal_formula(graph, rows, device, masked, shape)
+    )
 
 
 def as_formula(copies: dict, masks: CausalMasks, formula, minus_inf_fills: bool = False) -> bool:
