@@ -620,11 +620,11 @@ def test_the_visible_loop_is_told_what_it_still_reads_per_score(monkeypatch):
     testing.assert_close_to_reference(out, reference(program, q, k, v, bias, keep))
 
 
-@pytest.mark.parametrize("mask_shape,alike", [((2, 1, 1, 40), True), ((1, 1, 40, 40), False), ((2, 1, 40), True)],
-                         ids=["key-padding", "full-mask", "per-head-bias"])
+@pytest.mark.parametrize("mask_shape,alike", [((2, 1, 1, 40), True), ((1, 1, 40, 40), False), ((2, 2, 1, 40), True)],
+                         ids=["key-padding", "full-mask", "per-entry-and-head-bias"])
 def test_configs_are_told_whether_the_tables_mask_is_the_same_on_every_row(monkeypatch, mask_shape, alike):
-    """A mask or bias broadcast over the rows (key padding ``[B, 1, 1, N]``, BLOOM's ALiBi bias ``[H, 1, N]``) is
-    told apart from one that varies along them: its tile choice differs (``kernel_configs``)."""
+    """A mask or bias broadcast over the rows (key padding ``[B, 1, 1, N]``, a bias ``[B, H, 1, N]``) is told apart
+    from one that varies along them: its tile choice differs (``kernel_configs``)."""
     from inductor_overlay.kernel import online_softmax_attention as kernel
 
     seen, original = [], kernel.kernel_configs

@@ -782,6 +782,33 @@ def test_per_head_bias_gets_no_table():
     testing.assert_close_to_reference(out, variants.per_head_bias(q.double(), k.double(), v.double(), bias.double()))
 
 
+@pytest.mark.parametrize("bias_shape,table", [((2, 1, 40), False), ((1, 2, 1, 40), False), ((3, 2, 1, 40), True),
+                                              ((3, 1, 1, 40), True)],
+                         ids=["heads-only", "heads-only-4d", "entries-and-heads", "key-padding"])
+def test_a_position_bias_broadcast_over_rows_gets_no_table(bias_shape, table):
+    """A float bias ``[.., 1, N]`` that differs between heads and not between batch entries (ALiBi's ``[H, 1, N]``)
+    is a position bias: no table (its cells would all be partial), one kernel whose tiles are all visited and which
+    reads the bias per tile. One that differs between batch entries (padding) keeps its table."""
+    q, k, v = (torch.randn(3, 2, 40, 16) for _ in range(3))
+    bias = torch.randn(bias_shape)
+    bias[..., 5:9] = float("-inf") if table else bias[..., 5:9]
+
+    def program(q, k, v, bias):
+        return torch.softmax((q @ k.transpose(-2, -1) * 0.25).float() + bias, dim=-1) @ v
+
+    with testing.cpu_triton():
+        out, code = testing.compile_and_get_code(program, q, k, v, bias)
+    kernels = testing.triton_kernels(code)
+    fused = "\n".join(source for name, source in kernels.items() if "tem_fused" in name)
+    if table:
+        assert len(kernels) > 1
+        FileCheck().check("cell_states").check("for start_n in range(full_lo, full_hi, BLOCK_N):").run(fused)
+    else:
+        assert len(kernels) == 1
+        FileCheck().check_not("cell_states").check("first_n, end_n = 0, N").check("tl.load(in_ptr").run(fused)
+    testing.assert_close_to_reference(out, program(q.double(), k.double(), v.double(), bias.double()))
+
+
 def test_rows_of_finfo_min_logits_get_the_mean_of_v():
     """A row whose logits all sit at finfo.min (a batch entry padded throughout, no table to tell) must not overflow
     to -inf when the kernel scales it to the log2 domain: eager gives it the mean of V. Kernels whose logits cannot

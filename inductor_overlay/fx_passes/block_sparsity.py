@@ -671,7 +671,10 @@ class AdditiveMask:
     the cells whose bias is all 0 (the add may be dropped there) and those whose bias is absorbing
     (``ABSORBING_BIAS_GAP`` below its row's largest): those tiles add exactly 0 to every sum. A row whose every bias
     is equally low (a batch entry with no key kept) has no absorbing cell: eager gives it the mean of V, and so does
-    the kernel. A bias of its own per head would cost a full extra read to summarise, for tables that rarely skip."""
+    the kernel. A bias of its own per head would cost a full extra read to summarise, for tables that rarely skip;
+    over scores ``[B, H, M, N]`` one that differs between heads and not between batch entries (ALiBi's ``[H, 1, N]``,
+    a relative position bias) is a position bias, which masks nothing: it gets no table either (every tile would be
+    partial: the table's reductions and pre-pass are work for nothing)."""
 
     add: torch.fx.Node
     bias: torch.fx.Node
@@ -690,7 +693,17 @@ def matched_additive_mask(chain: list[torch.fx.Node], logits: torch.fx.Node, sco
     value, score_shape = bias.meta["val"], scores.meta["val"].shape
     heads = score_shape[-3] if len(score_shape) >= 3 else 1
     shared_by_heads = isinstance(heads, int) and heads != 1 and (value.dim() < 3 or value.shape[-3] == 1)
-    return AdditiveMask(add, bias) if value.shape[-2] == 1 or shared_by_heads else None
+    rows_alike = value.shape[-2] == 1
+    return AdditiveMask(add, bias) if shared_by_heads or (rows_alike and not _position_bias(value, score_shape)) else None
+
+
+def _position_bias(bias: torch.Tensor, score_shape: torch.Size) -> bool:
+    """Whether ``bias``, over scores ``[B, H, M, N]``, differs between heads but is the same for every batch entry
+    (``[H, 1, N]``, ``[1, H, 1, N]``), as position biases are; padding masks differ between batch entries and are
+    shared by the heads. (Over scores ``[B·H, M, N]`` the two cannot be told apart.)"""
+    if len(score_shape) != 4 or bias.dim() < 3 or bias.shape[-3] == 1:
+        return False
+    return bias.dim() == 3 or bias.shape[-4] == 1
 
 
 def additive_bias(
