@@ -262,7 +262,7 @@ def test_a_sliced_buffer_mask_is_read_per_score_in_the_backward(monkeypatch, for
         ("forms_sliding_window", "in_function", "tiles skipped where (n > m) | (m - n >= 1024); entirely visible"),
         ("forms_sliding_window", "captured_positions", "(positions read from memory, bounded per tile from their values)"),
         ("forms_sliding_window", "mask_passed_in", "a mask tensor summarised per call into cells of 32x32"),
-        ("forms_alibi", "bias_passed_in", "an additive mask or bias tensor summarised per call into cells of 32x32"),
+        ("forms_alibi", "bias_passed_in", "every tile visited (no mask whose tiles the analysis can bound)"),
         ("forms_alibi", "bias_passed_in", "the rows' running max kept in the logits' own units with a scale per row"),
         ("forms_alibi", "captured_positions", "every tile visited (no mask whose tiles the analysis can bound)"),
     ],
