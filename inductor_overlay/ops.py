@@ -108,7 +108,7 @@ class ScoreChain:
     # whether it gathers from a tensor at a per-logit index, whether its table's mask is the same on every row.
     chain_weight: str = "heavy"
     gathers: bool = False
-    # The mask a table summarises is broadcast over the rows (``[.., 1, N]``: key padding, BLOOM's ALiBi bias): every
+    # The mask a table summarises is broadcast over the rows (``[.., 1, N]``: key padding): every
     # row tile meets its partial tiles at the same columns.
     mask_rows_alike: bool = False
 

@@ -284,9 +284,11 @@ def kernel_configs(
         # (h100_2026-11-26_alibi_tiles/sweeps/light_sweep.txt, final/probe_vanilla_tiles.txt).
         if chain_weight == "light" and not (visible_loop or element_bytes) and columns > 1024:
             shapes.sort(key=lambda shape: shape != (128, 128, 4, 3))
-        # A table over a mask broadcast over the rows (key padding, BLOOM's ALiBi bias [H, 1, N]) over rows longer
-        # than 1024: 128×64 (8 warps), 5–9% less time than 64×64 at 4×32×4096×64 on key padding's four forms and
-        # 9% on the bias (results/written_forms/tile_sweeps.txt).
+        # A table over a mask broadcast over the rows (key padding; BLOOM's ALiBi bias [B·H, 1, N] over scores
+        # [B·H, M, N], where it cannot be told from padding) over rows longer than 1024: 128×64 (8 warps), 5–9% less
+        # time than 64×64 at 4×32×4096×64 on key padding's four forms and 9% on the bias
+        # (results/written_forms/tile_sweeps.txt). Over scores [B, H, M, N] a bias that differs between heads only
+        # gets no table (``block_sparsity._position_bias``).
         if visible_loop and mask_table and mask_rows_alike and columns > 1024:
             shapes.sort(key=lambda shape: shape != (128, 64, 8, 3))
     elif d <= 64 and dv <= 128:
