@@ -454,20 +454,23 @@ def test_tile_configs_are_autotuned_only_under_max_autotune_by_default():
     assert kernel.kernel_configs(128, 128, cuda, columns=2048, visible_loop=True)[0] == wide
     assert kernel.kernel_configs(128, 128, cuda, columns=1024, visible_loop=True)[0]["BLOCK_N"] == 64
     # A mask tensor's kernel reads its mask only on the partial tiles: 128×128, with the stages that fit beside it,
-    # at rows of 1024 too; the visible loop keeps the stages that fit without the mask's tiles, the partial tiles'
-    # loop gets two. A table over a mask not read per score (computed by the chain, or broadcast over the rows):
-    # 128×64 over long rows, 64×64 over short ones, every stage in both loops.
-    for columns in (1024, 2048):
+    # at rows of 1024 and over rows longer than 4096, 64×64 between; the visible loop keeps the stages that fit
+    # without the mask's tiles, the partial tiles' loop gets two. A table over a mask not read per score (computed
+    # by the chain, or broadcast over the rows): 128×64 over long rows, 64×64 over short ones, every stage in both
+    # loops.
+    for columns in (1024, 2048, 4096, 8192):
         mask_tensor = kernel.kernel_configs(128, 128, cuda, element_bytes=1, columns=columns, visible_loop=True, mask_table=True)
-        assert mask_tensor[0] == dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3, partial_stages=2)
+        side = 64 if columns in (2048, 4096) else 128
+        warps = 4 if side == 64 else 8
+        assert mask_tensor[0] == dict(BLOCK_M=side, BLOCK_N=side, num_warps=warps, num_stages=3, partial_stages=2)
     computed = [kernel.kernel_configs(128, 128, cuda, columns=n, visible_loop=True, mask_table=True)[0] for n in (1024, 2048)]
     assert computed == [dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3), long_biased[0]]
     assert "partial_stages" not in kernel.kernel_configs(64, 64, cuda, columns=2048, visible_loop=True, mask_table=True)[0]
     # A float32 bias read per score beside the mask: the visible loop still reads it, and gets the stages that fit.
-    beside_bias = kernel.kernel_configs(128, 128, cuda, element_bytes=5, columns=2048, visible_loop=True, mask_table=True,
+    beside_bias = kernel.kernel_configs(128, 128, cuda, element_bytes=5, columns=8192, visible_loop=True, mask_table=True,
                                         visible_element_bytes=4)[0]
     assert beside_bias == dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=1, partial_stages=1)
-    # At head dim 64, a table over a mask broadcast over the rows (key padding, a [H, 1, N] bias) takes 128×64 with
+    # At head dim 64, a table over a mask broadcast over the rows (key padding, a [B, H, 1, N] bias) takes 128×64 with
     # 8 warps over rows longer than 1024; a mask that varies along the rows keeps 64×64.
     rows_alike = lambda n: kernel.kernel_configs(64, 64, cuda, columns=n, visible_loop=True, mask_table=True, mask_rows_alike=True)[0]  # noqa: E731
     assert rows_alike(2048) == dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3)
@@ -620,9 +623,10 @@ def test_the_visible_loop_is_told_what_it_still_reads_per_score(monkeypatch):
     testing.assert_close_to_reference(out, reference(program, q, k, v, bias, keep))
 
 
-@pytest.mark.parametrize("mask_shape,alike", [((2, 1, 1, 40), True), ((1, 1, 40, 40), False), ((2, 2, 1, 40), True)],
+@pytest.mark.parametrize("mask_shape,boolean,alike", [((2, 1, 1, 40), True, True), ((1, 1, 40, 40), True, False),
+                                                      ((2, 2, 1, 40), False, True)],
                          ids=["key-padding", "full-mask", "per-entry-and-head-bias"])
-def test_configs_are_told_whether_the_tables_mask_is_the_same_on_every_row(monkeypatch, mask_shape, alike):
+def test_configs_are_told_whether_the_tables_mask_is_the_same_on_every_row(monkeypatch, mask_shape, boolean, alike):
     """A mask or bias broadcast over the rows (key padding ``[B, 1, 1, N]``, a bias ``[B, H, 1, N]``) is told apart
     from one that varies along them: its tile choice differs (``kernel_configs``)."""
     from inductor_overlay.kernel import online_softmax_attention as kernel
@@ -630,7 +634,6 @@ def test_configs_are_told_whether_the_tables_mask_is_the_same_on_every_row(monke
     seen, original = [], kernel.kernel_configs
     monkeypatch.setattr(kernel, "kernel_configs", lambda *args, **kw: seen.append(kw["mask_rows_alike"]) or original(*args, **kw))
     q, k, v = (torch.randn(2, 2, 40, 16) for _ in range(3))
-    boolean = len(mask_shape) == 4
     t = torch.rand(mask_shape) > 0.3 if boolean else torch.randn(mask_shape)
 
     def program(q, k, v, t):

@@ -672,9 +672,10 @@ class AdditiveMask:
     (``ABSORBING_BIAS_GAP`` below its row's largest): those tiles add exactly 0 to every sum. A row whose every bias
     is equally low (a batch entry with no key kept) has no absorbing cell: eager gives it the mean of V, and so does
     the kernel. A bias of its own per head would cost a full extra read to summarise, for tables that rarely skip;
-    over scores ``[B, H, M, N]`` one that differs between heads and not between batch entries (ALiBi's ``[H, 1, N]``,
-    a relative position bias) is a position bias, which masks nothing: it gets no table either (every tile would be
-    partial: the table's reductions and pre-pass are work for nothing)."""
+    over scores ``[B, H, M, N]`` one broadcast over the rows that differs between heads and not between batch
+    entries (ALiBi's ``[H, 1, N]``) is taken for a position bias, which masks nothing: it gets no table either (every
+    tile would be partial: the table's reductions and pre-pass are work for nothing; one that does mask keys is read
+    per element, its tiles not skipped)."""
 
     add: torch.fx.Node
     bias: torch.fx.Node
@@ -685,7 +686,7 @@ _SCALING = (aten.mul.Tensor, aten.div.Tensor, prims.convert_element_type.default
 
 def matched_additive_mask(chain: list[torch.fx.Node], logits: torch.fx.Node, scores: torch.fx.Node) -> Optional[AdditiveMask]:
     """The chain's additive mask (``AdditiveMask``), or None: a bias added on the score path as ``additive_bias``
-    finds it, broadcast over the rows or shared by the heads."""
+    finds it, shared by the heads, or broadcast over the rows and not a position bias (``_position_bias``)."""
     found = additive_bias(chain, logits, scores)
     if found is None:
         return None
@@ -700,7 +701,8 @@ def matched_additive_mask(chain: list[torch.fx.Node], logits: torch.fx.Node, sco
 def _position_bias(bias: torch.Tensor, score_shape: torch.Size) -> bool:
     """Whether ``bias``, over scores ``[B, H, M, N]``, differs between heads but is the same for every batch entry
     (``[H, 1, N]``, ``[1, H, 1, N]``), as position biases are; padding masks differ between batch entries and are
-    shared by the heads. (Over scores ``[B·H, M, N]`` the two cannot be told apart.)"""
+    shared by the heads. (Over scores ``[B·H, M, N]`` the two cannot be told apart.) The bias's sizes are static
+    (``additive_bias``)."""
     if len(score_shape) != 4 or bias.dim() < 3 or bias.shape[-3] == 1:
         return False
     return bias.dim() == 3 or bias.shape[-4] == 1

@@ -284,11 +284,10 @@ def kernel_configs(
         # (h100_2026-11-26_alibi_tiles/sweeps/light_sweep.txt, final/probe_vanilla_tiles.txt).
         if chain_weight == "light" and not (visible_loop or element_bytes) and columns > 1024:
             shapes.sort(key=lambda shape: shape != (128, 128, 4, 3))
-        # A table over a mask broadcast over the rows (key padding; BLOOM's ALiBi bias [B·H, 1, N] over scores
-        # [B·H, M, N], where it cannot be told from padding) over rows longer than 1024: 128×64 (8 warps), 5–9% less
-        # time than 64×64 at 4×32×4096×64 on key padding's four forms and 9% on the bias
-        # (results/written_forms/tile_sweeps.txt). Over scores [B, H, M, N] a bias that differs between heads only
-        # gets no table (``block_sparsity._position_bias``).
+        # A table over a mask broadcast over the rows (key padding, a bias [B, H, 1, N]) over rows longer than 1024:
+        # 128×64 (8 warps), 5–9% less time than 64×64 at 4×32×4096×64 on key padding's four forms and 9% on ALiBi's
+        # bias [H, 1, N] passed in, measured with its table (results/written_forms/tile_sweeps.txt); such a bias now
+        # gets none (``block_sparsity._position_bias``).
         if visible_loop and mask_table and mask_rows_alike and columns > 1024:
             shapes.sort(key=lambda shape: shape != (128, 64, 8, 3))
     elif d <= 64 and dv <= 128:
@@ -332,8 +331,15 @@ def kernel_configs(
         # tiles keeps 128×128 (8 warps, 2 stages fit) at rows of 1024 too, by 25% over the runner-up there; a mask
         # computed in the chain (HF's decoder mask, key padding), with partial tiles on every padding edge, does
         # best on 128×64 (8 warps) over rows longer than 1024, by 1–9% over 128×128.
+        # A mask tensor read per score over rows of 1025 to 4096: 64×64 (4 warps), on an H200 with the causal route
+        # off 16% and 9% less time than 128×128 on a document mask at 8×16×2048×128 and 2×16×4096×128, 5% and 1% on
+        # a causal one, 4% less and 3% more on prefix-LM's (results/written_forms/mask_tensor_tiles_h200.txt); over
+        # longer rows 128×128 again (6% less time than 64×64 on documents at 1×16×16384×128).
         if visible_loop and mask_table:
-            best = (128, 128, 8, 3) if element_bytes > 0 else (128, 64, 8, 3) if columns > 1024 else (64, 64, 4, 3)
+            if element_bytes > 0:
+                best = (64, 64, 4, 3) if 1024 < columns <= 4096 else (128, 128, 8, 3)
+            else:
+                best = (128, 64, 8, 3) if columns > 1024 else (64, 64, 4, 3)
             shapes = [best, *[shape for shape in shapes if shape != best]]
             fewer_partial_stages = element_bytes > 0
     else:
@@ -348,7 +354,7 @@ def kernel_configs(
         # reuses the shared memory between the two loops), the partial loop gets two. 128×128 with a mask tensor:
         # 13% and 7% less time at 8×16×2048×128 and 16×16×1024×128 than 2 stages throughout
         # (h100_2026-11-23_additive_masks/sweeps/partial_stages_*.txt). A table over a mask the partial loop does not
-        # read per score keeps every stage there: two lost 20% on BLOOM's ALiBi bias (all its tiles are partial) and
+        # read per score keeps every stage there: two lost 20% on ALiBi's bias [H, 1, N] when it had a table (all its tiles partial) and
         # 3% on HF's decoder mask at 8×16×2048×128, and won 3–6% on key padding's forms, whose partial tiles are
         # few (results/written_forms/tile_sweeps.txt, results.csv).
         visible_stages = _fitting_stages(shapes[0], d, dv, visible_element_bytes, shared_bytes)[3]
