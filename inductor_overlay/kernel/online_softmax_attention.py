@@ -333,7 +333,7 @@ def kernel_configs(
         # best on 128×64 (8 warps) over rows longer than 1024, by 1–9% over 128×128.
         # A mask tensor read per score over rows of 1025 to 4096: 64×64 (4 warps), on an H200 with the causal route
         # off 16% and 9% less time than 128×128 on a document mask at 8×16×2048×128 and 2×16×4096×128, 5% and 1% on
-        # a causal one, 4% less and 3% more on prefix-LM's (results/written_forms/mask_tensor_tiles_h200.txt); over
+        # a causal one, 4% less and 3% more on prefix-LM's (results/written_forms/tables_and_tiles_h200.md); over
         # longer rows 128×128 again (6% less time than 64×64 on documents at 1×16×16384×128).
         if visible_loop and mask_table:
             if element_bytes > 0:
