@@ -470,6 +470,9 @@ def test_tile_configs_are_autotuned_only_under_max_autotune_by_default():
     beside_bias = kernel.kernel_configs(128, 128, cuda, element_bytes=5, columns=8192, visible_loop=True, mask_table=True,
                                         visible_element_bytes=4)[0]
     assert beside_bias == dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=1, partial_stages=1)
+    beside_bias = kernel.kernel_configs(128, 128, cuda, element_bytes=5, columns=2048, visible_loop=True, mask_table=True,
+                                        visible_element_bytes=4)[0]
+    assert beside_bias == dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3, partial_stages=2)
     # At head dim 64, a table over a mask broadcast over the rows (key padding, a [B, H, 1, N] bias) takes 128×64 with
     # 8 warps over rows longer than 1024; a mask that varies along the rows keeps 64×64.
     rows_alike = lambda n: kernel.kernel_configs(64, 64, cuda, columns=n, visible_loop=True, mask_table=True, mask_rows_alike=True)[0]  # noqa: E731

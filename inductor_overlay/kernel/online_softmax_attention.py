@@ -259,7 +259,7 @@ def kernel_configs(
     run-time summary of id masks decides the tiles (``id_mask``: document ids); a mask table's visible loop gets
     the stages that fit beside what it still reads per score (``visible_element_bytes``). The first is
     the one compiled alone outside max-autotune (``config.tile_autotuning``): the config that won most often for
-    its case on the H100."""
+    its case on the H100 (on an H200 where a comment says so)."""
     if device.type != "cuda" or _interpreting():
         return [dict(BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=1)]
     if pair_channels:
@@ -331,10 +331,11 @@ def kernel_configs(
         # tiles keeps 128×128 (8 warps, 2 stages fit) at rows of 1024 too, by 25% over the runner-up there; a mask
         # computed in the chain (HF's decoder mask, key padding), with partial tiles on every padding edge, does
         # best on 128×64 (8 warps) over rows longer than 1024, by 1–9% over 128×128.
-        # A mask tensor read per score over rows of 1025 to 4096: 64×64 (4 warps), on an H200 with the causal route
-        # off 16% and 9% less time than 128×128 on a document mask at 8×16×2048×128 and 2×16×4096×128, 5% and 1% on
-        # a causal one, 4% less and 3% more on prefix-LM's (results/written_forms/tables_and_tiles_h200.md); over
-        # longer rows 128×128 again (6% less time than 64×64 on documents at 1×16×16384×128).
+        # A mask tensor read per score over rows of 1025 to 4096: 64×64 (4 warps), on an H200 (bf16, 2026-11-29) with
+        # the causal route off 16% and 9% less time than 128×128 on a document mask at 8×16×2048×128 and
+        # 2×16×4096×128, 5% and 1% on a causal one, 4% less and 3% more on prefix-LM's
+        # (results/written_forms/tables_and_tiles_h200.md); over longer rows 128×128 again (5% less time than 64×64
+        # on documents at 1×16×16384×128, route on; rows of 8192 not measured).
         if visible_loop and mask_table:
             if element_bytes > 0:
                 best = (64, 64, 4, 3) if 1024 < columns <= 4096 else (128, 128, 8, 3)
