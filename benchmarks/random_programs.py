@@ -484,6 +484,7 @@ def main() -> int:
     parser.add_argument("--training", action="store_true", help="q, k, v require grad: gradients are checked too")
     parser.add_argument("--dynamic", action="store_true", help="compile with every size symbolic (dynamic=True)")
     parser.add_argument("--mask", default=None, help="run only the seeds whose program draws this mask (bool_tensor, ...)")
+    parser.add_argument("--score-mod", default=None, help="and this score mod (bias_tensor, ...)")
     parser.add_argument("--routes-at-any-size", action="store_true",
                         help="in inference, the checked routes (causal, band, arange) at these small sizes too")
     args = parser.parse_args()
@@ -505,6 +506,8 @@ def main() -> int:
         program = draw(seed)
         if args.mask is not None and program.mask != args.mask:
             continue
+        if args.score_mod is not None and program.score_mod != args.score_mod:
+            continue
         run += 1
         try:
             ok, fused, detail = check(program, args.device, args.training, args.dynamic)
@@ -520,7 +523,8 @@ def main() -> int:
             log.flush()
     mode = (" in training" if args.training else "") + (" with every size symbolic" if args.dynamic else "")
     mode += " with the checked routes at any size" if args.routes_at_any_size else ""
-    which = "" if args.mask is None else f" drawing mask={args.mask}"
+    drawn = [f"{name}={value}" for name, value in (("mask", args.mask), ("mod", args.score_mod)) if value]
+    which = f" drawing {', '.join(drawn)}" if drawn else ""
     summary = (f"{run} programs{mode} on {args.device} (seeds {args.seed}..{args.seed + args.count - 1}{which}), "
                f"{len(mismatches)} mismatches, {fused_count} fused, {time.time() - start:.0f} s")
     print(summary)
