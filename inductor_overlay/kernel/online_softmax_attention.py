@@ -355,9 +355,9 @@ def kernel_configs(
         # reuses the shared memory between the two loops), the partial loop gets two. 128×128 with a mask tensor:
         # 13% and 7% less time at 8×16×2048×128 and 16×16×1024×128 than 2 stages throughout
         # (h100_2026-11-23_additive_masks/sweeps/partial_stages_*.txt). A table over a mask the partial loop does not
-        # read per score keeps every stage there: two lost 20% on ALiBi's bias [H, 1, N] when it had a table (all its tiles partial) and
-        # 3% on HF's decoder mask at 8×16×2048×128, and won 3–6% on key padding's forms, whose partial tiles are
-        # few (results/written_forms/tile_sweeps.txt, results.csv).
+        # read per score keeps every stage there: two lost 20% on ALiBi's bias [H, 1, N] when it had a table (all
+        # its tiles partial) and 3% on HF's decoder mask at 8×16×2048×128, and won 3–6% on key padding's forms,
+        # whose partial tiles are few (results/written_forms/tile_sweeps.txt, results.csv).
         visible_stages = _fitting_stages(shapes[0], d, dv, visible_element_bytes, shared_bytes)[3]
         partial_stages = min(2, _fitting_stages(shapes[0], d, dv, element_bytes, shared_bytes)[3])
         configs[0] = dict(configs[0], num_stages=visible_stages, partial_stages=partial_stages)
