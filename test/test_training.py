@@ -1184,10 +1184,32 @@ def test_the_chains_derivative_is_its_joint_graph():
     assert any(node.target is torch.ops.aten.tanh.default for node in vjp.graph.nodes)
 
 
+@pytest.mark.parametrize("learned_bias", [False, True])
+def test_scores_and_bias_from_baddbmm_train_fused(learned_bias):
+    """BLOOM's attention computes its scores and ALiBi bias in one ``baddbmm``. In the joint graph the split into
+    ``bmm`` and pointwise ops (``scaled_matmuls``) carries baddbmm's autograd number, so its backward ops are the
+    attention's own: one fused forward and backward, no ``baddbmm`` and no M×N buffer left, and the gradients of
+    q, k, v (and of the bias where it is learned) match float64 eager."""
+    from test.test_score_matmul_forms import _alibi, bloom_attention
+
+    torch._dynamo.utils.counters.clear()
+    operands = [torch.randn(2, 4, 40, 16).requires_grad_() for _ in range(3)]
+    alibi = _alibi(2, 4, 40)
+    extras = {} if learned_bias else {"alibi": alibi}
+    if learned_bias:
+        operands.append(alibi.requires_grad_())
+    out, grads, grad, code = train_on_cpu(bloom_attention, operands, extras)
+    assert_matches_eager(bloom_attention, operands, extras, out, grads, grad)
+    assert torch._dynamo.utils.counters["inductor"]["flashlight_attention_fused_for_training"] == 1
+    assert "baddbmm" not in "\n".join(code)
+    assert_fused_training(code, 2 * 4 * 40 * 40)
+
+
 # Hugging Face models whose parameters require grad (run without ``torch.no_grad()``, the training graph): GQA with
 # rotary embeddings and HF's padding mask (llama) in the CI tier; a finfo.min causal mask with its division by a
-# tensor (gpt2), a bidirectional padding mask (bert) and a soft-capped sliding window (gemma2) in the full tier.
-HF_TRAINING = [("llama", True), ("gpt2", False), ("bert", True), ("gemma2", True)]
+# tensor (gpt2), a bidirectional padding mask (bert), a soft-capped sliding window (gemma2) and ALiBi added by
+# ``baddbmm`` (bloom) in the full tier.
+HF_TRAINING = [("llama", True), ("gpt2", False), ("bert", True), ("gemma2", True), ("bloom", True)]
 
 
 @pytest.mark.parametrize("family_name,padded", [

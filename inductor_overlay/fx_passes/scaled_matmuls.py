@@ -5,6 +5,10 @@ BLOOM's attention computes its scores and ALiBi bias in one call, ``alibi.baddbm
 ``bmm``, ``mul`` and ``add``, the bias and the scale become part of that chain, as they are in code that spells
 them out. The split is taken only where the product reaches a softmax's row max, so other ``baddbmm`` calls keep
 upstream's kernel. ``beta = 0`` ignores ``input`` (NaN included), as ``baddbmm`` does.
+
+In a joint graph (training) the split runs before the attention pass as well: its ops carry the number autograd
+gave ``baddbmm`` (``seq_nr``), whose backward ops, left as autograd made them, then belong to the attention's own
+backward (``attention_training``'s rule).
 """
 
 from __future__ import annotations
@@ -61,6 +65,7 @@ def split_baddbmm_scores(graph: torch.fx.Graph) -> None:
         addend_shape = _addend_shape(addend, node.meta["val"].shape[0], viewed_shape[:-2])
         if addend_shape is None:
             continue
+        first_new = node.prev
         with graph.inserting_before(node):
             product = call_op(graph, aten.bmm.default, (left, right))
             if view is not None:
@@ -70,6 +75,11 @@ def split_baddbmm_scores(graph: torch.fx.Graph) -> None:
                 if addend_shape != list(addend.meta["val"].shape):
                     addend = call_op(graph, aten.reshape.default, (addend, addend_shape))
                 product = call_op(graph, aten.add.Tensor, (product, _scaled(graph, addend, beta)))
+        if "seq_nr" in node.meta:
+            inserted = first_new.next
+            while inserted is not node:
+                inserted.meta["seq_nr"] = node.meta["seq_nr"]
+                inserted = inserted.next
         replaced = view if view is not None else node
         replaced.replace_all_uses_with(product)
         graph.erase_node(replaced)
