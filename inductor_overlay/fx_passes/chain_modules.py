@@ -286,4 +286,34 @@ def traced_joint(chain: torch.fx.GraphModule, example_inputs: list, joint, diffe
         scores = torch.empty_strided(scores.shape, scores.stride(), dtype=scores.dtype, device=scores.device)
         grad = torch.empty_like(chain(scores, *captured), memory_format=torch.contiguous_format)
         scores.requires_grad_(differentiate_scores)
-        return make_fx(joint, decomposition_table=select_decomp_table())(scores, *captured, grad)
+        return _without_copies_into_temporaries(make_fx(joint, decomposition_table=select_decomp_table())(scores, *captured, grad))
+
+
+def _without_copies_into_temporaries(module: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """``module`` with each ``copy_(dst, src)`` into a value the graph computed, after dst's last other use, replaced
+    by ``src`` as dst's shape and dtype: autograd's formulas fill some gradients in place (``maximum``'s
+    ``masked_fill_``), which tracing keeps as a copy, and a pointwise subgraph has no buffer to copy into."""
+    graph = module.graph
+    order = {node: i for i, node in enumerate(graph.nodes)}
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target is not torch.ops.aten.copy_.default:
+            continue
+        dst, src = node.args[:2]
+        if not isinstance(dst, torch.fx.Node) or dst.op != "call_function" or any(
+            order[user] > order[node] for user in dst.users if user is not node
+        ):
+            continue
+        value, wanted = src.meta["val"], dst.meta["val"]
+        with graph.inserting_before(node):
+            replacement = src
+            if value.dtype != wanted.dtype:
+                replacement = graph.call_function(torch.ops.prims.convert_element_type.default, (replacement, wanted.dtype))
+                replacement.meta["val"] = value.to(wanted.dtype)
+            if tuple(value.shape) != tuple(wanted.shape):
+                replacement = graph.call_function(torch.ops.aten.expand.default, (replacement, list(wanted.shape)))
+                replacement.meta["val"] = wanted
+        node.replace_all_uses_with(replacement)
+        graph.erase_node(node)
+    graph.lint()
+    module.recompile()
+    return module

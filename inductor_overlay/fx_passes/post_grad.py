@@ -59,7 +59,9 @@ def overlay_source_hash() -> str:
 
 
 # Passes run in this order on every joint forward+backward graph (training), after upstream's joint passes.
-JOINT_PASSES: list[GraphPass] = [rejoin_signed_scales, split_baddbmm_scores, fuse_attention_for_training]
+JOINT_PASSES: list[GraphPass] = [
+    rejoin_signed_scales, split_baddbmm_scores, move_batch_views_off_score_chains, fuse_attention_for_training,
+]
 
 # Passes run on Dynamo's graph (torch IR), before AOTAutograd: each leaves the graph as it was on any failure.
 PRE_GRAD_PASSES: list[GraphPass] = [distribute_head_groups_before_autograd]
