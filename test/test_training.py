@@ -1207,6 +1207,26 @@ def test_scores_and_bias_from_baddbmm_train_fused(learned_bias):
     assert_fused_training(code, 2 * 4 * 40 * 40)
 
 
+def test_a_chain_whose_derivative_fills_in_place_trains_without_a_fault():
+    """``torch.max(scores, floor)``: autograd's derivative of ``maximum`` fills the gradient in place
+    (``masked_fill_``), which tracing keeps as a ``copy_`` into a temporary; the chain's derivative is made pure
+    (``chain_modules``), so the backward lowers: no fault, one fused forward and backward, gradients as eager's."""
+
+    def clamped(q, k, v, mask):
+        scores = q @ k.transpose(-1, -2) * 0.25 + mask
+        scores = torch.max(scores, torch.tensor(torch.finfo(scores.dtype).min))
+        return torch.softmax(scores, -1) @ v
+
+    torch._dynamo.utils.counters.clear()
+    operands = [torch.randn(2, 4, 40, 16).requires_grad_() for _ in range(3)]
+    mask = torch.zeros(2, 1, 40, 40)
+    mask[1, ..., 30:] = torch.finfo(torch.float32).min
+    out, grads, grad, code = train_on_cpu(clamped, operands, {"mask": mask}, fault_containment=False)
+    assert_matches_eager(clamped, operands, {"mask": mask}, out, grads, grad)
+    assert_fused_training(code, 2 * 4 * 40 * 40)
+    assert "copy_" not in code[1]
+
+
 @pytest.mark.parametrize("form", ["xglm", "deberta", "deberta_learned_bias"])
 def test_scores_viewed_between_batch_groupings_train_fused(form):
     """Older Hugging Face code views the scores between ``[B·H, M, N]`` and ``[B, H, M, N]`` on their way to the
