@@ -1258,10 +1258,15 @@ def test_scores_viewed_between_batch_groupings_train_fused(form):
 
 
 # Hugging Face models whose parameters require grad (run without ``torch.no_grad()``, the training graph): GQA with
-# rotary embeddings and HF's padding mask (llama) in the CI tier; a finfo.min causal mask with its division by a
-# tensor (gpt2), a bidirectional padding mask (bert), a soft-capped sliding window (gemma2) and ALiBi added by
-# ``baddbmm`` (bloom) and a mask added on a ``[B, H, M, N]`` view of ``[B·H, M, N]`` scores (xglm) in the full tier.
-HF_TRAINING = [("llama", True), ("gpt2", False), ("bert", True), ("gemma2", True), ("bloom", True), ("xglm", True)]
+# rotary embeddings and HF's padding mask (llama) in the CI tier; in the full tier a finfo.min causal mask with its
+# division by a tensor (gpt2), a bidirectional padding mask (bert), a soft-capped sliding window (gemma2), ALiBi added
+# by ``baddbmm`` (bloom), a mask added on a ``[B, H, M, N]`` view of ``[B·H, M, N]`` scores (xglm), a sliding window
+# (mistral), q/k norms (qwen3), MQA (gpt_bigcode) and relative position buckets (t5). DeBERTa-v2's relative-position
+# scores are gathered per logit: declined for training, with the reason in the log.
+HF_TRAINING = [
+    ("llama", True), ("gpt2", False), ("bert", True), ("gemma2", True), ("bloom", True), ("xglm", True),
+    ("mistral", True), ("qwen3", True), ("gpt_bigcode", True), ("t5", True),
+]
 
 
 @pytest.mark.parametrize("family_name,padded", [
