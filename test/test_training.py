@@ -1224,7 +1224,52 @@ def test_a_chain_whose_derivative_fills_in_place_trains_without_a_fault():
     out, grads, grad, code = train_on_cpu(clamped, operands, {"mask": mask}, fault_containment=False)
     assert_matches_eager(clamped, operands, {"mask": mask}, out, grads, grad)
     assert_fused_training(code, 2 * 4 * 40 * 40)
-    assert "copy_" not in code[1]
+
+
+def test_only_a_refill_of_a_temporary_leaves_the_derivative():
+    """The rewrite that makes a traced derivative pure replaces ``copy_(dst, src)`` by ``src`` only where that
+    changes nothing: dst a value the graph computed, no view of it, no use of it after the copy, src of its shape
+    and dtype. A copy into a slice (which writes the tensor it views), one followed by another use of dst, or one
+    that broadcasts src stays."""
+    from inductor_overlay.fx_passes.chain_modules import _without_fills_of_temporaries
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    def refill(a, b):
+        filled = a * 2
+        return filled.copy_(b)
+
+    def into_a_slice(a, b):
+        whole = a * 2
+        whole[:, :2].copy_(b[:, :2])
+        return whole
+
+    def read_before(a, b):
+        filled = a * 2
+        before = filled + 1
+        return filled.copy_(b) + before
+
+    def broadcast(a, b):
+        return (a * 2).copy_(b[:1])
+
+    a, b = torch.randn(3, 4), torch.randn(3, 4)
+    for fn, kept in ((refill, 0), (read_before, 0), (into_a_slice, 1), (broadcast, 1)):
+        module = _without_fills_of_temporaries(make_fx(fn)(a, b))
+        copies = [n for n in module.graph.nodes if n.target is torch.ops.aten.copy_.default]
+        assert len(copies) == kept, fn.__name__
+        torch.testing.assert_close(module(a, b), fn(a.clone(), b), msg=fn.__name__)
+    # A graph that reads dst itself after the copy (tracing reads the copy's result instead) keeps it.
+    module = make_fx(refill)(a, b)
+    graph = module.graph
+    doubled, copy = (next(n for n in graph.nodes if n.target is target)
+                     for target in (torch.ops.aten.mul.Tensor, torch.ops.aten.copy_.default))
+    output = next(n for n in graph.nodes if n.op == "output")
+    with graph.inserting_before(output):
+        later = graph.call_function(torch.ops.aten.add.Tensor, (copy, doubled))
+        later.meta["val"] = copy.meta["val"]
+    output.args = (later,)
+    module.recompile()
+    module = _without_fills_of_temporaries(module)
+    assert any(n.target is torch.ops.aten.copy_.default for n in module.graph.nodes)
 
 
 @pytest.mark.parametrize("form", ["xglm", "deberta", "deberta_learned_bias"])
@@ -1282,7 +1327,7 @@ def test_hf_model_trains_with_the_fused_backward(family_name, padded):
 
     family = next(f for f in hf_models.FAMILIES if f.name == family_name)
     torch.manual_seed(0)
-    overrides = dict(sliding_window=8) if family_name == "gemma2" else {}
+    overrides = dict(sliding_window=8) if family_name in ("gemma2", "mistral") else {}
     model = hf_models.build(family, hidden=64, heads=4, layers=1, **overrides)
     ids, mask = hf_models.token_inputs(2, 40, padded)
 
@@ -1315,6 +1360,26 @@ def test_hf_model_trains_with_the_fused_backward(family_name, padded):
         if name not in embeddings:
             errors[name] = float((grad - reference).norm()) / (float(reference.norm()) + 1e-3 * scale)
     assert max(errors.values()) < 1e-4, errors
+
+
+@pytest.mark.full
+def test_deberta_v2_declines_training_with_its_reason(caplog):
+    """Hugging Face's DeBERTa-v2 gathers its relative-position scores per logit: its attention is left to upstream
+    for training (the graph still trains), with the reason in the log."""
+    pytest.importorskip("transformers")
+    from benchmarks import hf_models
+
+    torch.manual_seed(0)
+    model = hf_models.build(hf_models.BY_NAME["deberta-v2"], hidden=64, heads=4, layers=1)
+    ids, mask = hf_models.token_inputs(2, 40, True)
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    with testing.cpu_triton(), caplog.at_level(logging.INFO, logger="flashlight.attention_fusion"):
+        out = torch.compile(lambda i, m: hf_models.forward(model, i, m))(ids, mask)
+        out.float().mean().backward()
+    assert torch._dynamo.utils.counters["inductor"]["flashlight_attention_fused_for_training"] == 0
+    assert torch._dynamo.utils.counters["inductor"]["flashlight_fault_fallback"] == 0
+    assert "not fused for training" in caplog.text
 
 
 def test_a_fault_in_the_backward_kernel_falls_back_to_the_meaning_of_the_node(monkeypatch):

@@ -286,34 +286,39 @@ def traced_joint(chain: torch.fx.GraphModule, example_inputs: list, joint, diffe
         scores = torch.empty_strided(scores.shape, scores.stride(), dtype=scores.dtype, device=scores.device)
         grad = torch.empty_like(chain(scores, *captured), memory_format=torch.contiguous_format)
         scores.requires_grad_(differentiate_scores)
-        return _without_copies_into_temporaries(make_fx(joint, decomposition_table=select_decomp_table())(scores, *captured, grad))
+        traced = make_fx(joint, decomposition_table=select_decomp_table())(scores, *captured, grad)
+        return _without_fills_of_temporaries(traced)
 
 
-def _without_copies_into_temporaries(module: torch.fx.GraphModule) -> torch.fx.GraphModule:
-    """``module`` with each ``copy_(dst, src)`` into a value the graph computed, after dst's last other use, replaced
-    by ``src`` as dst's shape and dtype: autograd's formulas fill some gradients in place (``maximum``'s
-    ``masked_fill_``), which tracing keeps as a copy, and a pointwise subgraph has no buffer to copy into."""
+def _without_fills_of_temporaries(module: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """``module`` with each ``copy_(dst, src)`` that refills a value the graph computed (not a view of another: no
+    alias sees the write), of src's shape and dtype, after dst's last other use, replaced by ``src``: autograd's
+    formulas fill some gradients in place (``maximum``'s ``masked_fill_``), which tracing keeps as such a copy, and a
+    pointwise subgraph has no buffer to copy into. Any other copy stays (the lowering then declines)."""
     graph = module.graph
     order = {node: i for i, node in enumerate(graph.nodes)}
     for node in list(graph.nodes):
         if node.op != "call_function" or node.target is not torch.ops.aten.copy_.default:
             continue
         dst, src = node.args[:2]
-        if not isinstance(dst, torch.fx.Node) or dst.op != "call_function" or any(
-            order[user] > order[node] for user in dst.users if user is not node
-        ):
+        if not _refillable(dst, src, node, order):
             continue
-        value, wanted = src.meta["val"], dst.meta["val"]
-        with graph.inserting_before(node):
-            replacement = src
-            if value.dtype != wanted.dtype:
-                replacement = graph.call_function(torch.ops.prims.convert_element_type.default, (replacement, wanted.dtype))
-                replacement.meta["val"] = value.to(wanted.dtype)
-            if tuple(value.shape) != tuple(wanted.shape):
-                replacement = graph.call_function(torch.ops.aten.expand.default, (replacement, list(wanted.shape)))
-                replacement.meta["val"] = wanted
-        node.replace_all_uses_with(replacement)
+        node.replace_all_uses_with(src)
         graph.erase_node(node)
     graph.lint()
     module.recompile()
     return module
+
+
+def _refillable(dst: object, src: object, copy: torch.fx.Node, order: dict) -> bool:
+    """Whether ``copy_(dst, src)`` only gives dst src's values: dst is computed by an op that is not a view, no view
+    is taken of it, no other use of it follows the copy, and src has its shape and dtype."""
+    if not isinstance(dst, torch.fx.Node) or not isinstance(src, torch.fx.Node) or dst.op != "call_function":
+        return False
+    if getattr(dst.target, "is_view", True) or any(getattr(user.target, "is_view", False) for user in dst.users):
+        return False
+    if any(order[user] > order[copy] for user in dst.users if user is not copy):
+        return False
+    value, wanted = src.meta.get("val"), dst.meta.get("val")
+    return (isinstance(value, torch.Tensor) and isinstance(wanted, torch.Tensor) and value.dtype == wanted.dtype
+            and tuple(value.shape) == tuple(wanted.shape))

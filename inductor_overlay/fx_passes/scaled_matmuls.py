@@ -65,7 +65,7 @@ def split_baddbmm_scores(graph: torch.fx.Graph) -> None:
         addend_shape = _addend_shape(addend, node.meta["val"].shape[0], viewed_shape[:-2])
         if addend_shape is None:
             continue
-        first_new = node.prev
+        before_new = node.prev
         with graph.inserting_before(node):
             product = call_op(graph, aten.bmm.default, (left, right))
             if view is not None:
@@ -76,7 +76,7 @@ def split_baddbmm_scores(graph: torch.fx.Graph) -> None:
                     addend = call_op(graph, aten.reshape.default, (addend, addend_shape))
                 product = call_op(graph, aten.add.Tensor, (product, _scaled(graph, addend, beta)))
         if "seq_nr" in node.meta:
-            inserted = first_new.next
+            inserted = before_new.next
             while inserted is not node:
                 inserted.meta["seq_nr"] = node.meta["seq_nr"]
                 inserted = inserted.next

@@ -22,7 +22,7 @@ from typing import Optional
 import torch
 
 from inductor_overlay import config
-from inductor_overlay.fx_passes.fx_helpers import _MATMULS, _RESHAPES, call_op
+from inductor_overlay.fx_passes.fx_helpers import _MATMULS, _RESHAPES, call_op, is_backward
 from inductor_overlay.fx_passes.attention_region import (
     Decline,
     is_matmul_fed_by,
@@ -198,9 +198,10 @@ def move_batch_views_off_score_chains(graph: torch.fx.Graph) -> None:
     matmul move below the softmax or up to the scores' matmul."""
     if not config.attention_fusion:
         return
-    for p in [n for n in graph.nodes if is_op(n, aten.div.Tensor)]:
+    # (In a joint graph, the forward's ops only.)
+    for p in [n for n in graph.nodes if is_op(n, aten.div.Tensor) and not is_backward(n)]:
         _sink_below_softmax(graph, p)
-    for view in [n for n in graph.nodes if _batch_regrouping(n)]:
+    for view in [n for n in graph.nodes if _batch_regrouping(n) and not is_backward(n)]:
         if _pointwise(view.args[0]) and reaches_row_max(view) and _lifts_to_a_matmul(view):
             log.info("view %s moved up to the scores' matmul", view.name)
             _lift(graph, view)
