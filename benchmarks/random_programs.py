@@ -72,6 +72,7 @@ class Program:
     read_positions: str = "none"  # one of READ_POSITIONS
     keep_rows: str = "random"  # one of KEEP_ROWS
     frozen: str = "none"  # one of FROZEN: the operands that require no grad in training
+    baddbmm: bool = False  # 3-D scores scaled by baddbmm over a zero key bias (GPT-NeoX's and BLOOM's call)
 
     @property
     def kv_heads(self) -> int:
@@ -85,7 +86,7 @@ class Program:
                 f"{'' if self.combined == 'none' else ' combined=' + self.combined}{' scale_v=1' if self.scale_v else ''}"
                 f"{'' if self.read_positions == 'none' else ' read_positions=' + self.read_positions}"
                 f"{' keep_rows=' + self.keep_rows if self.mask == 'bool_tensor' and self.keep_rows != 'random' else ''}"
-                f"{'' if self.frozen == 'none' else ' frozen=' + self.frozen}")
+                f"{'' if self.frozen == 'none' else ' frozen=' + self.frozen}{' baddbmm=1' if self.baddbmm else ''}")
 
 
 def draw(seed: int, positions: str | None = None, **fixed: object) -> Program:
@@ -137,6 +138,8 @@ def draw(seed: int, positions: str | None = None, **fixed: object) -> Program:
         program.read_positions = "offset"  # it gathers a table at n - m, whose range gaps would leave
     program.keep_rows = random.Random(f"keep_rows:{seed}").choice(KEEP_ROWS)
     program.frozen = random.Random(f"frozen:{seed}").choice(FROZEN)
+    baddbmm = random.Random(f"baddbmm:{seed}").random() < 0.5
+    program.baddbmm = baddbmm and program.layout == "3d" and program.scale_on == "scores"
     for name, value in fixed.items():
         assert hasattr(program, name), name
         setattr(program, name, value)
@@ -287,10 +290,14 @@ def build(p: Program) -> Callable:
             k = k * scale
         if p.layout == "3d":
             q, k, v = (t.reshape(-1, *t.shape[2:]) for t in (q, k, v))
-        s = q @ k.transpose(-2, -1)
+        if p.baddbmm:  # the scale and a zero key bias in the matmul's call
+            zero = torch.zeros(1, 1, k.shape[-2], dtype=q.dtype, device=q.device)
+            s = torch.baddbmm(zero, q, k.transpose(-2, -1), beta=1.0, alpha=scale)
+        else:
+            s = q @ k.transpose(-2, -1)
         if p.layout == "3d":
             s = s.view(p.B, p.H, p.M, p.N)
-        if p.scale_on == "scores":
+        if p.scale_on == "scores" and not p.baddbmm:
             s = s * scale
         if p.upcast:
             s = s.float()
@@ -485,6 +492,7 @@ def main() -> int:
     parser.add_argument("--dynamic", action="store_true", help="compile with every size symbolic (dynamic=True)")
     parser.add_argument("--mask", default=None, help="run only the seeds whose program draws this mask (bool_tensor, ...)")
     parser.add_argument("--score-mod", default=None, help="and this score mod (bias_tensor, ...)")
+    parser.add_argument("--baddbmm", action="store_true", help="only the seeds whose scores come from baddbmm")
     parser.add_argument("--routes-at-any-size", action="store_true",
                         help="in inference, the checked routes (causal, band, arange) at these small sizes too")
     args = parser.parse_args()
@@ -508,6 +516,8 @@ def main() -> int:
             continue
         if args.score_mod is not None and program.score_mod != args.score_mod:
             continue
+        if args.baddbmm and not program.baddbmm:
+            continue
         run += 1
         try:
             ok, fused, detail = check(program, args.device, args.training, args.dynamic)
@@ -524,6 +534,7 @@ def main() -> int:
     mode = (" in training" if args.training else "") + (" with every size symbolic" if args.dynamic else "")
     mode += " with the checked routes at any size" if args.routes_at_any_size else ""
     drawn = [f"{name}={value}" for name, value in (("mask", args.mask), ("mod", args.score_mod)) if value]
+    drawn += ["baddbmm"] if args.baddbmm else []
     which = f" drawing {', '.join(drawn)}" if drawn else ""
     summary = (f"{run} programs{mode} on {args.device} (seeds {args.seed}..{args.seed + args.count - 1}{which}), "
                f"{len(mismatches)} mismatches, {fused_count} fused, {time.time() - start:.0f} s")

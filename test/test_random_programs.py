@@ -18,7 +18,7 @@ REGRESSIONS = {
          "size-1 batch dims made a constant position that Inductor shaped like the template's x range (fault)"),
     100075: ({"positions": "one_arange", **BEFORE_COMBINED},
              "a window built from one arange read as |n - n|: its mask dropped from every tile (the code before ad41820)"),
-    100007: ({"scale_v": True, "read_positions": "none", "keep_rows": "random"}, "a constant factor on V was taken off V and applied nowhere (output off by that factor)"),
+    100007: ({"scale_v": True, "read_positions": "none", "keep_rows": "random", "baddbmm": False}, "a constant factor on V was taken off V and applied nowhere (output off by that factor)"),
     660119: ({"frozen": "none"}, "a routed attention's k computed in a transposed order (scaled): laid out by Inductor in "
                                  "another, the branches' input check raised"),
     660178: ({"frozen": "none"}, "the same, in bf16 under the arange route's iota branch"),
