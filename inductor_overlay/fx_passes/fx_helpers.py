@@ -167,6 +167,15 @@ def is_backward(node: torch.fx.Node) -> bool:
     )
 
 
+def numbered_as(old: torch.fx.Node, new: torch.fx.Node) -> torch.fx.Node:
+    """``new`` with the number autograd gave ``old`` (``seq_nr``), where there is one: in a joint graph the backward
+    ops of an op a rewrite replaces, left as autograd made them, then still belong to the ops that replace it (the
+    training pass finds an attention's backward by these numbers)."""
+    if "seq_nr" in old.meta:
+        new.meta["seq_nr"] = old.meta["seq_nr"]
+    return new
+
+
 def call_op(graph: torch.fx.Graph, target: Any, args: tuple, kwargs: Optional[dict] = None) -> torch.fx.Node:
     """A new node with its fake value (computed under the graph's fake mode; the overlay's own nodes by their fake
     implementation, ``ops.FAKE_IMPLS``)."""

@@ -19,7 +19,7 @@ from typing import Optional
 import torch
 
 from inductor_overlay import config
-from inductor_overlay.fx_passes.fx_helpers import call_op
+from inductor_overlay.fx_passes.fx_helpers import call_op, numbered_as
 from inductor_overlay.fx_passes.attention_region import reaches_row_max
 
 aten = torch.ops.aten
@@ -75,11 +75,9 @@ def split_baddbmm_scores(graph: torch.fx.Graph) -> None:
                 if addend_shape != list(addend.meta["val"].shape):
                     addend = call_op(graph, aten.reshape.default, (addend, addend_shape))
                 product = call_op(graph, aten.add.Tensor, (product, _scaled(graph, addend, beta)))
-        if "seq_nr" in node.meta:
-            inserted = before_new.next
-            while inserted is not node:
-                inserted.meta["seq_nr"] = node.meta["seq_nr"]
-                inserted = inserted.next
+        inserted = before_new.next
+        while inserted is not node:
+            inserted = numbered_as(node, inserted).next
         replaced = view if view is not None else node
         replaced.replace_all_uses_with(product)
         graph.erase_node(replaced)

@@ -22,7 +22,7 @@ from typing import Optional
 import torch
 
 from inductor_overlay import config
-from inductor_overlay.fx_passes.fx_helpers import _MATMULS, _RESHAPES, call_op, is_backward
+from inductor_overlay.fx_passes.fx_helpers import _MATMULS, _RESHAPES, call_op, is_backward, numbered_as
 from inductor_overlay.fx_passes.attention_region import (
     Decline,
     is_matmul_fed_by,
@@ -55,16 +55,8 @@ def _replay_on(graph: torch.fx.Graph, softmax: list[torch.fx.Node], logits: torc
         args = torch.fx.node.map_arg(node.args, lambda arg: replaced.get(arg, arg))
         if is_op(node, _ROW_REDUCTIONS):
             args = (args[0], [-1], True, *args[3:])
-        replaced[node] = _numbered_as(node, call_op(graph, node.target, args, dict(node.kwargs)))
+        replaced[node] = numbered_as(node, call_op(graph, node.target, args, dict(node.kwargs)))
     return replaced[softmax[-1]]
-
-
-def _numbered_as(old: torch.fx.Node, new: torch.fx.Node) -> torch.fx.Node:
-    """``new`` with the number autograd gave ``old`` (``seq_nr``), where there is one: in a joint graph the backward
-    ops of ``old``, left as autograd made them, then still belong to the attention that reads ``new``."""
-    if "seq_nr" in old.meta:
-        new.meta["seq_nr"] = old.meta["seq_nr"]
-    return new
 
 
 def _sink_below_softmax(graph: torch.fx.Graph, p: torch.fx.Node) -> None:
@@ -77,7 +69,7 @@ def _sink_below_softmax(graph: torch.fx.Graph, p: torch.fx.Node) -> None:
         return  # (a view straight off the matmul is the scores' batch view the attention pass expects)
     with graph.inserting_before(p):
         probabilities = _replay_on(graph, softmax, logits, view)
-        regrouped = _numbered_as(view, call_op(graph, aten.reshape.default, (probabilities, list(p.meta["val"].shape))))
+        regrouped = numbered_as(view, call_op(graph, aten.reshape.default, (probabilities, list(p.meta["val"].shape))))
     p.replace_all_uses_with(regrouped)
     for node in reversed([view, *([logits] if logits is not view else []), *softmax]):
         if not node.users:
@@ -178,13 +170,13 @@ def _lift(graph: torch.fx.Graph, view: torch.fx.Node) -> None:
         shape = _regrouped_shape(operand, before, after)
         if shape == ():
             return operand
-        new_views.append(_numbered_as(view, call_op(graph, aten.reshape.default, (operand, shape))))
+        new_views.append(numbered_as(view, call_op(graph, aten.reshape.default, (operand, shape))))
         return new_views[-1]
 
     with graph.inserting_before(view):
         args = torch.fx.node.map_arg(source.args, regrouped)
         kwargs = torch.fx.node.map_arg(source.kwargs, regrouped)
-        lifted = _numbered_as(source, call_op(graph, source.target, args, kwargs))
+        lifted = numbered_as(source, call_op(graph, source.target, args, kwargs))
     view.replace_all_uses_with(lifted)
     graph.erase_node(view)
     graph.erase_node(source)
