@@ -356,19 +356,19 @@ def test_wide_statistics_keep_one_loop_in_the_backward(idiom, wide):
 def test_masked_tiles_on_both_sides_of_the_visible_ones_run_in_one_loop():
     """Each program of the backward carries its accumulators through two loops: the tiles that need the mask, before
     and after the entirely visible ones, in one, the visible tiles in the other (a third loop makes ptxas serialize
-    the kernel's wgmma: ``masked_loop`` in attention_backward.py.jinja). Documents whose bounds fall inside tiles put
-    masked tiles on both sides of visible ones, for the columns and for the rows; gradients as eager's."""
+    the kernel's wgmma: ``partial_tiles_loop`` in attention_pieces.jinja). Documents whose bounds fall inside tiles
+    put masked tiles on both sides of visible ones, for the columns and for the rows; gradients as eager's."""
     document_id = torch.tensor([[0] * 10 + [1] * 37 + [2] * 25, [0] * 30 + [1] * 42])
     operands = [torch.randn(2, 2, 72, 16).requires_grad_() for _ in range(3)]
     fn = variants.document_mask
     out, grads, grad, code = train_on_cpu(fn, operands, {"document_id": document_id})
     assert_matches_eager(fn, operands, {"document_id": document_id}, out, grads, grad)
     backward = "".join(text for text in testing.triton_kernels(code[1]).values() if "grad_scores" in text)
-    FileCheck().check("for masked_step in range(0, masked_count)").check_next("start_m = ").check(
-        "for start_m in range(full_lo, full_hi, BLOCK_M1)"
-    ).check("for masked_step in range(0, masked_count)").check_next("start_n = ").check(
-        "for start_n in range(full_lo, full_hi, BLOCK_N2)"
-    ).run(backward)
+    FileCheck().check("for partial_m in tl.range(0, partial_before + (end_m - full_hi), BLOCK_M1)").check_next(
+        "start_m = tl.where("
+    ).check("for start_m in range(full_lo, full_hi, BLOCK_M1)").check(
+        "for partial_n in tl.range(0, partial_before + (end_n - full_hi), BLOCK_N2)"
+    ).check_next("start_n = tl.where(").check("for start_n in range(full_lo, full_hi, BLOCK_N2)").run(backward)
     FileCheck().check_count("for start_m in range(", 1, exactly=True).run(backward)
     FileCheck().check_count("for start_n in range(", 1, exactly=True).run(backward)
 
