@@ -339,6 +339,35 @@ def check_gpu_front_end(code: str | Sequence[str]) -> None:
     assert done.returncode == 0, f"Triton's front end rejected a kernel:\n{done.stdout}{done.stderr[-3000:]}"
 
 
+def hopper_ptxas_reports(
+    code: str | Sequence[str], constants: dict[str, Any], num_warps: int, num_stages: int, contains: str = ""
+) -> dict[str, str]:
+    """Name -> what ptxas reports of each Triton kernel in the generated module(s) whose source has ``contains``,
+    compiled for sm90 with ``constants`` set as a GPU config sets them (``flashlight.triton_front_end --ptxas``):
+    its registers, its spills, and whether it serializes the kernel's wgmma (C7515), which the CPU harness cannot
+    show."""
+    import subprocess
+    import tempfile
+
+    text = code if isinstance(code, str) else "\n".join(code)
+    with tempfile.TemporaryDirectory() as directory:
+        paths = []
+        for match in _KERNEL_MODULE.finditer(text):
+            body = text[match.end() : text.find(_KERNEL_MODULE_END, match.end())]
+            if contains in body:
+                paths.append(os.path.join(directory, f"{match.group(1)}.py"))
+                with open(paths[-1], "w") as handle:
+                    handle.write(body)
+        assert paths, f"no Triton kernel with {contains!r} in the generated code"
+        pairs = ",".join(f"{name}={value}" for name, value in constants.items())
+        command = [sys.executable, "-m", "flashlight.triton_front_end", "--ptxas", pairs, "--warps", str(num_warps),
+                   "--stages", str(num_stages), *paths]
+        done = subprocess.run(command, capture_output=True, text=True)
+    assert done.returncode == 0, f"compiling for sm90 failed:\n{done.stdout}{done.stderr[-3000:]}"
+    reports = re.split(r"^== (\w+)\n", done.stdout, flags=re.M)[1:]
+    return dict(zip(reports[::2], reports[1::2]))
+
+
 _KERNEL_MODULE = re.compile(r"async_compile\.triton\('(\w+)', '''")
 _KERNEL_MODULE_END = "''', device_str="
 
