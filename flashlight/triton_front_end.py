@@ -12,7 +12,7 @@ a process, Triton's language module there no longer lowers to IR. ``flashlight.t
 With ``--ptxas`` each kernel is compiled on to sm90's machine code instead, its constants first set as the GPU's
 configs set them (``NAME=VALUE``: the tiles, ``UPCAST_DOT_OPERANDS=False``), and what ptxas reports of it is printed:
 registers, spills, and the loss it names when it serializes the kernel's wgmma (C7515), which the interpreter
-cannot show. ``flashlight.testing.hopper_ptxas_report`` calls it.
+cannot show. ``flashlight.testing.hopper_ptxas_reports`` calls it.
 """
 
 import importlib.util
@@ -72,8 +72,8 @@ def ptxas_report(
         signature = kernel.triton_meta["signature"]
         # Every pointer 16-byte aligned, as CUDA's allocations are (the CPU harness's arrays need not be).
         aligned = {(i,): [["tt.divisibility", 16]] for i, kind in enumerate(signature.values()) if kind[0] == "*"}
-        constants = kernel.triton_meta.get("constants", {})
-        source = ASTSource(fn=kernel.fn, signature=signature, constexprs=constants, attrs=aligned)
+        arguments = kernel.triton_meta.get("constants", {})  # arguments Inductor passes as constants
+        source = ASTSource(fn=kernel.fn, signature=signature, constexprs=arguments, attrs=aligned)
         compiled = triton.compile(source, target=GPUTarget("cuda", capability, 32),
                                   options={"num_warps": num_warps, "num_stages": num_stages})
         ptx = pathlib.Path(directory) / "kernel.ptx"
@@ -86,7 +86,7 @@ def ptxas_report(
     return done.stdout + done.stderr
 
 
-def _option(name: str, default: str) -> str:
+def _option(name: str, default: str | None) -> str | None:
     return sys.argv[sys.argv.index(name) + 1] if name in sys.argv else default
 
 
