@@ -59,7 +59,7 @@ def ptxas_report(
     """What ptxas reports (``-v``) of the kernel in ``path`` compiled for ``capability`` with ``constants`` set."""
     import triton
     from triton.backends.compiler import GPUTarget
-    from triton.backends.nvidia.compiler import get_ptxas
+    from triton.backends.nvidia.compiler import get_ptxas, sm_arch_from_capability
     from triton.compiler import ASTSource
 
     with tempfile.TemporaryDirectory() as directory:
@@ -78,7 +78,7 @@ def ptxas_report(
                                   options={"num_warps": num_warps, "num_stages": num_stages})
         ptx = pathlib.Path(directory) / "kernel.ptx"
         ptx.write_text(compiled.asm["ptx"])
-        arch = f"sm_{capability}a" if capability == 90 else f"sm_{capability}"
+        arch = sm_arch_from_capability(capability)
         command = [get_ptxas(capability).path, "-v", f"--gpu-name={arch}", str(ptx), "-o", f"{ptx}.o"]
         done = subprocess.run(command, capture_output=True, text=True)
     if done.returncode != 0:

@@ -376,10 +376,7 @@ def test_masked_tiles_on_both_sides_of_the_visible_ones_run_in_one_loop():
 def _hopper_constants(config: dict) -> dict:
     """The constants the backward's lowering sets for a GPU config (``attention_backward.backward_configs``)."""
     tiles = {name: config[name] for name in ("BLOCK_M1", "BLOCK_N1", "BLOCK_M2", "BLOCK_N2")}
-    cell = attention_backward.fused_ops.TABLE_CELL
-    cells = {f"CELLS_{name[6:]}": max(size // cell, 1) for name, size in tiles.items()}
-    diagonal = 2 * max(tiles["BLOCK_M1"], tiles["BLOCK_N1"])
-    return {**tiles, **cells, "DIAGONAL_TILE": diagonal, "UPCAST_DOT_OPERANDS": False}
+    return {**tiles, **attention_backward.tile_constants(config), "UPCAST_DOT_OPERANDS": False}
 
 
 @pytest.mark.parametrize(
@@ -387,13 +384,13 @@ def _hopper_constants(config: dict) -> dict:
 )
 def test_backward_kernel_keeps_its_wgmma_asynchronous_on_hopper(name, d):
     """The backward kernel of a mask with entirely visible tiles, compiled for sm90 at the GPU's first backward config
-    (Triton and its ptxas, no GPU): ptxas does not serialize its wgmma (C7515), as it did when the tiles the mask cuts
-    through ran in two loops (12–17% of the kernel's time on an H200, results/training/backward_masked_loop_h200.md),
-    and for the sliding window at head dim 64 when that loop's tile start carried an alignment hint."""
+    (Triton and its ptxas, no GPU): ptxas does not serialize its wgmma (C7515), as it does where the tiles the mask
+    cuts through run in two loops (13–20% more time for the kernel on an H200, backward_masked_loop_h200.md), and for
+    the sliding window at head dim 64 where that loop's tile start carries an alignment hint."""
     variant = variants.VARIANTS[name]
     operands, extras = operands_of(variant, variants.Shape(B=1, H=2, M=128, N=128, D=d), dtype=torch.bfloat16)
     _, _, _, code = train_on_cpu(variant.reference, operands, extras)
-    config = attention_backward.backward_configs(d, d, torch.device("cuda"))[0]
+    config = attention_backward.backward_configs(d, d, torch.device("cuda"), id_mask=name == "document")[0]
     reports = testing.hopper_ptxas_reports(
         code[1], _hopper_constants(config), config["num_warps"], config["num_stages"], contains="grad_scores"
     )

@@ -137,6 +137,13 @@ def backward_configs(
     ]
 
 
+def tile_constants(config: dict[str, int]) -> dict[str, int]:
+    """The constants a config's tiles fix beside them: how many cells of a mask table each tile spans, and the
+    tile of the per-diagonal sums."""
+    cells = {f"CELLS_{dim}": max(config[f"BLOCK_{dim}"] // fused_ops.TABLE_CELL, 1) for dim in ("M1", "N1", "M2", "N2")}
+    return {**cells, "DIAGONAL_TILE": 2 * max(config["BLOCK_M1"], config["BLOCK_N1"])}
+
+
 def _captured_grads(reads: list, first_subgraph: int, batch_shape: list) -> tuple:
     """The template's view of each read whose gradient the kernel sums: its subgraph, kind, and for a read written
     per logit the index of its partial's batch entry (``out_z`` decomposed over the batch dims the read varies
@@ -309,8 +316,7 @@ def online_softmax_attention_backward_lowering(
             DOT_PRECISION="'tf32'" if fp32_dot and torch.backends.cuda.matmul.allow_tf32 else "'ieee'",
             UPCAST_DOT_OPERANDS=_interpreting(),
             MASK_CELL=fused_ops.TABLE_CELL,
-            **{f"CELLS_{dim}": max(config[f"BLOCK_{dim}"] // fused_ops.TABLE_CELL, 1) for dim in ("M1", "N1", "M2", "N2")},
-            DIAGONAL_TILE=2 * max(config["BLOCK_M1"], config["BLOCK_N1"]),
+            **tile_constants(config),
             EVEN_M=_divides(config["BLOCK_M1"], m) and _divides(config["BLOCK_M2"], m),
             EVEN_N=_divides(config["BLOCK_N1"], n) and _divides(config["BLOCK_N2"], n),
             PROBABILITY_DTYPE=f"tl.{str(chain.probability_dtype).removeprefix('torch.')}",
