@@ -324,15 +324,8 @@ def check_gpu_front_end(code: str | Sequence[str]) -> None:
     import subprocess
     import tempfile
 
-    text = code if isinstance(code, str) else "\n".join(code)
     with tempfile.TemporaryDirectory() as directory:
-        paths = []
-        for match in _KERNEL_MODULE.finditer(text):
-            end = text.find(_KERNEL_MODULE_END, match.end())
-            path = os.path.join(directory, f"{match.group(1)}.py")
-            with open(path, "w") as handle:
-                handle.write(text[match.end() : end])
-            paths.append(path)
+        paths = _write_kernel_modules(code, directory)
         assert paths, "no Triton kernel in the generated code"
         command = [sys.executable, "-m", "flashlight.triton_front_end", *paths]
         done = subprocess.run(command, capture_output=True, text=True)
@@ -349,15 +342,8 @@ def hopper_ptxas_reports(
     import subprocess
     import tempfile
 
-    text = code if isinstance(code, str) else "\n".join(code)
     with tempfile.TemporaryDirectory() as directory:
-        paths = []
-        for match in _KERNEL_MODULE.finditer(text):
-            body = text[match.end() : text.find(_KERNEL_MODULE_END, match.end())]
-            if contains in body:
-                paths.append(os.path.join(directory, f"{match.group(1)}.py"))
-                with open(paths[-1], "w") as handle:
-                    handle.write(body)
+        paths = _write_kernel_modules(code, directory, contains)
         assert paths, f"no Triton kernel with {contains!r} in the generated code"
         pairs = ",".join(f"{name}={value}" for name, value in constants.items())
         command = [sys.executable, "-m", "flashlight.triton_front_end", "--ptxas", pairs, "--warps", str(num_warps),
@@ -371,6 +357,20 @@ def hopper_ptxas_reports(
 
 _KERNEL_MODULE = re.compile(r"async_compile\.triton\('(\w+)', '''")
 _KERNEL_MODULE_END = "''', device_str="
+
+
+def _write_kernel_modules(code: str | Sequence[str], directory: str, contains: str = "") -> list[str]:
+    """The paths of the Triton kernel modules in the generated module(s) whose source has ``contains``, each
+    written to ``directory`` under its kernel's name (``flashlight.triton_front_end`` loads them)."""
+    text = code if isinstance(code, str) else "\n".join(code)
+    paths = []
+    for match in _KERNEL_MODULE.finditer(text):
+        body = text[match.end() : text.find(_KERNEL_MODULE_END, match.end())]
+        if contains in body:
+            paths.append(os.path.join(directory, f"{match.group(1)}.py"))
+            with open(paths[-1], "w") as handle:
+                handle.write(body)
+    return paths
 
 
 _BOUNDED_REMAINDER = re.compile(r"^( *)if not (?:EVEN_N|\(EVEN_M and EVEN_N\)):\n\1    for \w+ in range\(split_")

@@ -23,16 +23,21 @@ import sys
 import tempfile
 
 
+def _kernel_of(path: pathlib.Path, name: str):
+    """The kernel ``name`` that the Inductor kernel module at ``path`` defines (its caching autotuner)."""
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return getattr(module, name)
+
+
 def lower_to_ir(path: pathlib.Path, capability: int = 90) -> None:
     """Lower the kernel defined in ``path`` (an Inductor kernel module named after its kernel) to Triton IR."""
     from triton._C.libtriton import ir
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource, make_backend
 
-    spec = importlib.util.spec_from_file_location(path.stem, path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    kernel = getattr(module, path.stem)
+    kernel = _kernel_of(path, path.stem)
     meta, config = kernel.triton_meta, kernel.configs[0]
     target = GPUTarget("cuda", capability, 32)
     backend = make_backend(target)
@@ -65,10 +70,7 @@ def ptxas_report(
     with tempfile.TemporaryDirectory() as directory:
         module_path = pathlib.Path(directory) / path.name
         module_path.write_text(_with_constants(path.read_text(), constants))
-        spec = importlib.util.spec_from_file_location(path.stem, module_path)
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        kernel = getattr(module, path.stem)
+        kernel = _kernel_of(module_path, path.stem)
         signature = kernel.triton_meta["signature"]
         # Every pointer 16-byte aligned, as CUDA's allocations are (the CPU harness's arrays need not be).
         aligned = {(i,): [["tt.divisibility", 16]] for i, kind in enumerate(signature.values()) if kind[0] == "*"}
