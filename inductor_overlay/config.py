@@ -28,7 +28,7 @@ backward_tiles: str = os.environ.get("FLASHLIGHT_BACKWARD_TILES", "")
 split_visible_tiles: bool = os.environ.get("FLASHLIGHT_SPLIT_VISIBLE_TILES", "1") != "0"
 # ... for head dims up to this (a mask read from a tensor splits at any head dim).
 visible_loop_max_head_dim: int = int(os.environ.get("FLASHLIGHT_VISIBLE_LOOP_MAX_HEAD_DIM", "128"))
-# ... in the backward too (never where the forward keeps wide statistics: attention_training._backward_visible_loop).
+# ... in the backward too (attention_training._backward_visible_loop).
 backward_visible_loop: bool = os.environ.get("FLASHLIGHT_BACKWARD_VISIBLE_LOOP", "1") != "0"
 
 # The gradient of a table the chain gathers by the distance n - m (T5's learned bucket table) from the fused backward:

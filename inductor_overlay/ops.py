@@ -383,6 +383,29 @@ def _row_statistics(chain: ScoreChain, q, kt, captured, sizes=(), sink=None) -> 
     return torch.stack([row_max, total], 1)
 
 
+# What the backward kernel reads of wide statistics: three terms per row ``[Z, 3, M]``, computed once per row in the
+# graph rather than in every tile of the kernel's column programs, so that ``P = exp2(logits · scale − shift) · norm``.
+# A row whose scaled max is below FOLDED_ROW_LIMIT (every row that keeps a key of a finfo.min mask) takes log2(l) into
+# its shift, as the narrow ``lse`` does, and a norm of 1; the others (a row the mask hides entirely) keep 1/l apart,
+# where ``shift + log2(l)`` would round ``l`` away.
+FOLDED_ROW_LIMIT = 2.0**10
+
+
+def backward_row_terms(lse: torch.Tensor, dense: torch.Tensor, folded_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Wide statistics ``[Z, 2, M]`` as the backward kernel reads them: each row's (scale, shift, norm) ``[Z, 3, M]``
+    (above), and per batch entry its flags (int32): 1 where a row is entirely -inf (``dense``), 2 where a row keeps
+    its norm apart (its tiles' probabilities need the norm: no tile of that entry runs in the visible tiles' narrow
+    form)."""
+    row_max, row_sum = lse[:, 0], lse[:, 1]
+    known = torch.where(row_max == -math.inf, 0.0, row_max)
+    scale = wide_row_scale(known, LOG2E * folded_scale)
+    shift = known * scale
+    folds = shift.abs() < FOLDED_ROW_LIMIT
+    terms = torch.stack([scale, torch.where(folds, shift + torch.log2(row_sum), shift), torch.where(folds, 1.0, 1.0 / row_sum)], 1)
+    flags = dense.to(torch.int32) + 2 * (~folds).any(-1).to(torch.int32)
+    return terms, flags
+
+
 def row_statistics_shape(decisions: dict, m) -> list:
     z = math.prod(decisions["batch_shape"])
     return [z, 2, m] if decisions["wide_logits"] else [z, m]

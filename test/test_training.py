@@ -319,7 +319,9 @@ def _left_padded_decoder(q, k, v, attention_mask):
 
 def test_rows_of_finite_huge_logits_train_as_eager():
     """Rows whose logits are all finfo.min keep their uniform probabilities in the backward (the wide statistics:
-    the row's own scale, max and 1/l), and the other rows stay exact beside them."""
+    the row's own scale, shift and 1/l apart, ``ops.backward_row_terms``), and the other rows stay exact beside
+    them. In the second batch entry every row keeps a key: there the entirely visible tiles run in the narrow form
+    (log2(l) in the shift)."""
     operands = [torch.randn(2, 2, 40, 16).requires_grad_() for _ in range(3)]
     attention_mask = (torch.arange(40)[None, :] >= torch.tensor([[5], [0]])).long()
     out, grads, grad, code = train_on_cpu(_left_padded_decoder, operands, {"attention_mask": attention_mask})
@@ -327,13 +329,34 @@ def test_rows_of_finite_huge_logits_train_as_eager():
     torch.testing.assert_close(out[0, :, :5].double(), expected[0, :, :5])  # the uniform rows
     assert_matches_eager(_left_padded_decoder, operands, {"attention_mask": attention_mask}, out, grads, grad)
     assert_fused_training(code, 2 * 2 * 40 * 40)
-    FileCheck().check("row_norm = 1.0 / row_sum").run(code[1])  # the wide statistics
+    FileCheck().check("row_norm = tl.load").check("* row_norm").check("range(full_lo, full_hi").check(
+        "* LOGIT_SCALE - row_shift"
+    ).run(code[1])
+
+
+def test_a_row_of_huge_visible_logits_keeps_the_general_form_in_its_batch_entry():
+    """A row whose logits are finite but too large to scale (q's row times 1e9) is wide in tiles the mask leaves
+    entirely visible: its batch entry runs every tile in the general form (its norm apart), the other entry's visible
+    tiles the narrow one. Output and gradients as eager's (the huge row's is one-hot), but dK of its head: there q's
+    1e9 multiplies float32's rounding of p·(dp − delta) = 0, in eager's float32 as in the kernel."""
+    generator = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(2, 2, 48, 16, generator=generator) for _ in range(3))
+    q[0, 1, 30] *= 1e9
+    operands = [t.requires_grad_() for t in (q, k, v)]
+    extras = {"attention_mask": torch.ones(2, 48, dtype=torch.long)}
+    out, (dq, dk, dv), grad, code = train_on_cpu(_left_padded_decoder, operands, extras)
+    expected, (expected_dq, expected_dk, expected_dv) = eager_gradients(_left_padded_decoder, operands, extras, grad)
+    for actual, reference in ((out, expected), (dq, expected_dq), (dv, expected_dv), (dk[1], expected_dk[1]), (dk[0, 0], expected_dk[0, 0])):
+        testing.assert_close_to_reference(actual, reference)
+    FileCheck().check("narrow_visible = (entry_flags & 3) == 0").check("range(full_lo, full_hi").run(code[1])
 
 
 @pytest.mark.parametrize("idiom,wide", [("finfo_min", True), ("bool_masked_fill", False)])
-def test_wide_statistics_keep_one_loop_in_the_backward(idiom, wide):
-    """Key padding: the forward runs entirely visible tiles in a loop of their own; the backward does too, except
-    where the forward keeps wide statistics (a finfo.min mask; attention_training._backward_visible_loop).
+def test_the_backward_runs_entirely_visible_tiles_apart(idiom, wide):
+    """Key padding: the forward runs entirely visible tiles in a loop of their own, and so does the backward, with
+    wide statistics (a finfo.min mask) too: there the visible tiles take the narrow form of the probabilities
+    (``exp2(logits · LOGIT_SCALE − shift)``, log2(l) in the shift), the others the general one (a scale and a norm
+    per row), and no tile divides by the rows' sums (``ops.backward_row_terms`` computes them once per row).
     Gradients as eager's either way."""
     variant = variants.VARIANTS["key_padding"]
     operands, extras = operands_of(variant, variants.Shape(B=2, H=2, M=48, N=48, D=16))
@@ -343,14 +366,12 @@ def test_wide_statistics_keep_one_loop_in_the_backward(idiom, wide):
     forward, backward = (testing.triton_kernels(text) for text in code)
     backward_kernel = "".join(text for text in backward.values() if "grad_scores" in text)
     FileCheck().check("range(full_lo, full_hi, BLOCK_N)").run("".join(forward.values()))
+    check = FileCheck().check("for start_m in range(full_lo, full_hi, BLOCK_M1)")
     if wide:
-        FileCheck().check_count("for start_m in range(", 1, exactly=True).check("row_norm = 1.0 / row_sum").check_not(
-            "range(full_lo, full_hi"
-        ).run(backward_kernel)
-    else:
-        FileCheck().check("for start_m in range(full_lo, full_hi, BLOCK_M1)").check(
-            "for start_n in range(full_lo, full_hi, BLOCK_N2)"
-        ).run(backward_kernel)
+        check = check.check("p = tl.exp2(logits.to(tl.float32) * LOGIT_SCALE - row_shift[None, :])")
+    check.check("for start_n in range(full_lo, full_hi, BLOCK_N2)").run(backward_kernel)
+    if wide:
+        FileCheck().check("* row_scale[None, :] - row_shift[None, :]) * row_norm[None, :]").check_not("/ row_sum").run(backward_kernel)
 
 
 def test_masked_tiles_on_both_sides_of_the_visible_ones_run_in_one_loop():

@@ -362,12 +362,12 @@ def chain_vjp_module(chain: torch.fx.GraphModule, example_inputs: list) -> torch
 def _backward_visible_loop(chain: ops.ScoreChain) -> bool:
     """Whether the backward runs the tiles its mask leaves entirely visible in a loop of their own, with the chain
     that drops the mask, as the forward does (the caller adds: not with captured gradients, whose reads stay per
-    logit). Not where the forward keeps wide statistics (finite logits too large to scale, e.g. a finfo.min mask):
-    there the loop lost 20% on a key-padding mask and 3% on HF's decoder mask, where every other mask gained 1–37%
-    (H100, bf16, 4×32×4096×64, backward kernel, 2026-11-27, results/training/bench_backward_visible_loop.txt). Nor
-    where the chain without its masks reads what the whole chain does not (the first values of captured positions
-    the forward computes from the tile): that form is not the one the backward runs."""
-    return (config.backward_visible_loop and chain.unmasked_graph_module is not None and not chain.wide_logits
+    logit). Where the forward keeps wide statistics (finite logits too large to scale, e.g. a finfo.min mask), the
+    loop runs the narrow form of the probabilities, in the batch entries whose every row folds log2(l) into its shift
+    (``ops.backward_row_terms``). Not where the chain without its masks reads what the whole chain does not (the
+    first values of captured positions the forward computes from the tile): that form is not the one the backward
+    runs."""
+    return (config.backward_visible_loop and chain.unmasked_graph_module is not None
             and (chain.exact_graph_module is None
                  or ops.inputs_read(chain.unmasked_graph_module) <= ops.inputs_read(chain.exact_graph_module)))
 
@@ -399,7 +399,7 @@ def _insert_backward(region: AttentionRegion, matched: RegionBackward, fwd: Trai
     anchor = max([matched.grad_out, fwd.result, *([fwd.lse] if fwd.lse is not None else [])], key=position.__getitem__)
     with graph.inserting_before(anchor.next):
         grad_out = call_op(graph, aten.view.default, (matched.grad_out, [z, m, dv]))
-        delta, dense = _softmax_terms(fwd, grad_out, [z, m, dv]) if fwd.lse is not None else (None, None)
+        statistics, delta, dense = _softmax_terms(fwd, grad_out, [z, m, dv]) if fwd.lse is not None else (None,) * 3
         q, kt, v = fwd.operands
         read_vjps = [subgraph(graph, read_vjp_module(chain, read, examples), "read_vjp") for read in reads]
         # Entirely visible tiles run the chain without its masks, and its derivative (_backward_visible_loop).
@@ -410,7 +410,7 @@ def _insert_backward(region: AttentionRegion, matched: RegionBackward, fwd: Trai
         vjp_node = subgraph(graph, vjp, "score_chain_vjp")
         unmasked_vjp = None if unmasked is None else subgraph(graph, unmasked, "score_chain_vjp_unmasked")
         both = call_op(graph, ops.online_softmax_attention_backward, (
-            q, kt, v, fwd.captured, fwd.subgraphs, fwd.decisions, vjp_node, fwd.lse, delta, dense, grad_out,
+            q, kt, v, fwd.captured, fwd.subgraphs, fwd.decisions, vjp_node, statistics, delta, dense, grad_out,
             list(region.captured_sizes), read_vjps, [read.as_data() for read in reads], unmasked_vjp, fwd.sink, factor,
             _kernel_programs(matched, reads),
         ))
@@ -434,9 +434,10 @@ def _kernel_programs(matched: RegionBackward, reads: list) -> str:
     return "rows" if not wanted & {1, 2} else "columns" if 0 not in wanted else "both"
 
 
-def _softmax_terms(fwd: TrainingForward, grad_out: torch.fx.Node, shape: list) -> tuple[torch.fx.Node, torch.fx.Node]:
-    """What the backward of a softmax reads beside its statistics: ``delta = Σ_Dv grad_out · out`` per row (float32),
-    and per batch entry whether a row is entirely masked (its statistics are -inf: ``dense``)."""
+def _softmax_terms(fwd: TrainingForward, grad_out: torch.fx.Node, shape: list) -> tuple[torch.fx.Node, ...]:
+    """What the backward of a softmax reads: the rows' statistics (wide ones as ``ops.backward_row_terms`` gives
+    them), ``delta = Σ_Dv grad_out · out`` per row (float32), and per batch entry whether a row is entirely masked
+    (its statistics are -inf: ``dense``; with wide statistics, the flags of ``ops.backward_row_terms``)."""
     graph = grad_out.graph
     out = call_op(graph, aten.view.default, (fwd.result, shape))
     products = call_op(graph, aten.mul.Tensor, (
@@ -446,7 +447,12 @@ def _softmax_terms(fwd: TrainingForward, grad_out: torch.fx.Node, shape: list) -
     delta = call_op(graph, aten.sum.dim_IntList, (products, [-1]))
     row_max = call_op(graph, aten.select.int, (fwd.lse, 1, 0)) if fwd.chain.wide_logits else fwd.lse
     row_floor = call_op(graph, aten.amin.default, (row_max, [-1]))
-    return delta, call_op(graph, aten.eq.Scalar, (row_floor, -math.inf))
+    dense = call_op(graph, aten.eq.Scalar, (row_floor, -math.inf))
+    if not fwd.chain.wide_logits:
+        return fwd.lse, delta, dense
+    _, folded_scale = ops.differentiated_chain(fwd.chain)  # the scale of the chain whose statistics the kernel reads
+    terms, flags = call_traced(graph, lambda lse, dense: ops.backward_row_terms(lse, dense, folded_scale), [fwd.lse, dense])
+    return terms, delta, flags
 
 
 def _sink_gradient(region: AttentionRegion, fwd: TrainingForward, delta: torch.fx.Node) -> torch.fx.Node:
