@@ -285,7 +285,7 @@ def online_softmax_attention_backward_lowering(
         # pipelines, and ran no faster on HF's decoder mask and a boolean mask tensor; pipelining only the loop over
         # entirely visible tiles, which reads no mask, measured 0.82× and 0.98× for HF's decoder mask, 1.03× for a
         # boolean mask tensor: H100, bf16, forward + backward, 4×32×4096×64 and 2×16×8192×128, 2026-11-27,
-        # results/training/bench_mask_tensor_stages.txt, backward_split_h100.txt.)
+        # results/training/bench_masks_both_shapes.txt, backward_split_h100.txt.)
         configs = [dict(config, num_stages=1) for config in configs]
     configs = _autotuned(configs)
     ragged = any(_ragged([config[f"BLOCK_{dim}{i}"] for config in configs for i in (1, 2)], size)
