@@ -401,17 +401,22 @@ def _hopper_constants(config: dict) -> dict:
 
 
 @pytest.mark.parametrize(
-    "name,d", [("document", 128), ("sliding_window", 64), pytest.param("prefix_lm", 128, marks=pytest.mark.full)]
+    "name,d",
+    [("document", 128), ("sliding_window", 64), ("hf_decoder_mask", 64), pytest.param("prefix_lm", 128, marks=pytest.mark.full)],
 )
 def test_backward_kernel_keeps_its_wgmma_asynchronous_on_hopper(name, d):
     """The backward kernel of a mask with entirely visible tiles, compiled for sm90 at the GPU's first backward config
     (Triton and its ptxas, no GPU): ptxas does not serialize its wgmma (C7515), as it does where the tiles the mask
     cuts through run in two loops (13–20% more time for the kernel on an H200, backward_masked_loop_h200.md), and for
-    the sliding window at head dim 64 where that loop's tile start carries an alignment hint."""
+    the sliding window at head dim 64 where that loop's tile start carries an alignment hint. HF's decoder mask, whose
+    wide statistics run the visible tiles in the narrow form and the others in the general one, at its table's 2
+    stages."""
     variant = variants.VARIANTS[name]
     operands, extras = operands_of(variant, variants.Shape(B=1, H=2, M=128, N=128, D=d), dtype=torch.bfloat16)
     _, _, _, code = train_on_cpu(variant.reference, operands, extras)
-    config = attention_backward.backward_configs(d, d, torch.device("cuda"), id_mask=name == "document")[0]
+    config = attention_backward.backward_configs(
+        d, d, torch.device("cuda"), id_mask=name == "document", table=name == "hf_decoder_mask"
+    )[0]
     reports = testing.hopper_ptxas_reports(
         code[1], _hopper_constants(config), config["num_warps"], config["num_stages"], contains="grad_scores"
     )
