@@ -17,7 +17,7 @@ from torch.testing import FileCheck
 
 from benchmarks import programs, variants
 from flashlight import testing
-from inductor_overlay import config
+from inductor_overlay import config, ops
 from inductor_overlay.fx_passes import attention_training
 from inductor_overlay.kernel import attention_backward, online_softmax_attention
 
@@ -296,11 +296,20 @@ def _rows_masked_by_bias(q, k, v):
     return torch.softmax(s + bias, -1) @ v
 
 
-@pytest.mark.parametrize("fn", [_rows_masked_by_where, _rows_masked_by_bias])
+def _causal_finfo_min_rows_masked_by_where(q, k, v):
+    """Wide statistics (a causal mask added as finfo.min) and rows whose logits are all -inf: the causal mask skips
+    tiles, but the -inf rows' NaN reaches every key's dV in eager."""
+    s = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
+    rows = torch.arange(s.shape[-2], device=q.device)
+    causal = torch.full(s.shape[-2:], torch.finfo(s.dtype).min, dtype=s.dtype, device=q.device).triu(1)
+    return torch.softmax(torch.where((rows < 3)[:, None], float("-inf"), s + causal), -1) @ v
+
+
+@pytest.mark.parametrize("fn", [_rows_masked_by_where, _rows_masked_by_bias, _causal_finfo_min_rows_masked_by_where])
 def test_fully_masked_rows_give_eagers_nan_and_zero_gradients(fn):
     """Rows whose logits are all -inf are NaN forward; backward, eager gives NaN or 0 by the chain's own derivative
     (a ``where`` passes 0 to the masked scores, an added -inf bias passes the NaN): the fused backward visits every
-    tile of such a batch entry and gives the same."""
+    tile of such a batch entry and gives the same, with wide statistics too (``ops.backward_row_terms``' flag 1)."""
     operands = [torch.randn(1, 2, 20, 16).requires_grad_() for _ in range(3)]
     out, grads, grad, code = train_on_cpu(fn, operands, {})
     assert out[..., :3, :].isnan().all()
@@ -335,20 +344,41 @@ def test_rows_of_finite_huge_logits_train_as_eager():
 
 
 def test_a_row_of_huge_visible_logits_keeps_the_general_form_in_its_batch_entry():
-    """A row whose logits are finite but too large to scale (q's row times 1e9) is wide in tiles the mask leaves
-    entirely visible: its batch entry runs every tile in the general form (its norm apart), the other entry's visible
-    tiles the narrow one. Output and gradients as eager's (the huge row's is one-hot), but dK of its head: there q's
-    1e9 multiplies float32's rounding of p·(dp − delta) = 0, in eager's float32 as in the kernel."""
+    """A row whose logits are finite but too large to scale is wide in tiles the mask leaves entirely visible: its
+    batch entry runs every tile in the general form (its scale and norm), the other entry's visible tiles the narrow
+    one. Here q's row 30 meets two equal keys (5 and 6, in a visible tile) at 2.5e10: its probabilities are 1/2 each
+    (the narrow form would give inf). Output and gradients as eager's, but dK of its head: there q's 1e10 multiplies
+    float32's rounding of p·(dp − delta) = 0, in eager's float32 as in the kernel."""
     generator = torch.Generator().manual_seed(3)
     q, k, v = (torch.randn(2, 2, 48, 16, generator=generator) for _ in range(3))
-    q[0, 1, 30] *= 1e9
+    direction = torch.zeros(16)
+    direction[0] = 1.0
+    k[0, 1, 5] = k[0, 1, 6] = 10.0 * direction
+    q[0, 1, 30] = 1e10 * direction
     operands = [t.requires_grad_() for t in (q, k, v)]
     extras = {"attention_mask": torch.ones(2, 48, dtype=torch.long)}
     out, (dq, dk, dv), grad, code = train_on_cpu(_left_padded_decoder, operands, extras)
     expected, (expected_dq, expected_dk, expected_dv) = eager_gradients(_left_padded_decoder, operands, extras, grad)
     for actual, reference in ((out, expected), (dq, expected_dq), (dv, expected_dv), (dk[1], expected_dk[1]), (dk[0, 0], expected_dk[0, 0])):
         testing.assert_close_to_reference(actual, reference)
-    FileCheck().check("narrow_visible = (entry_flags & 3) == 0").check("range(full_lo, full_hi").run(code[1])
+    FileCheck().check("range(full_lo, full_hi").run(code[1])
+
+
+def test_backward_row_terms_fold_the_rows_that_keep_a_key():
+    """``ops.backward_row_terms`` on statistics made by hand: a row of ordinary logits folds log2(l) into its shift
+    (norm 1); a row whose logits are all finfo.min, and one whose max is 2^12, keep the scale the forward chose and
+    1/l apart (flag 2 for their entries); a row of -inf is dense (flag 1)."""
+    scale = ops.LOG2E * 0.25
+    row_max = torch.tensor([[3.0, 2.0], [torch.finfo(torch.float32).min, 2.0], [2.0**12 / scale, 1.0], [-math.inf, 0.5]])
+    row_sum = torch.tensor([[4.0, 2.0], [48.0, 1.0], [2.0, 1.0], [0.0, 3.0]])
+    dense = (row_max == -math.inf).any(-1)
+    terms, flags = ops.backward_row_terms(torch.stack([row_max, row_sum], 1), dense, 0.25)
+    assert flags.tolist() == [0, 2, 2, 1]
+    tiny = 2.0 ** math.floor(math.log2(scale))
+    torch.testing.assert_close(terms[0], torch.tensor([[scale, scale], [3 * scale + 2.0, 2 * scale + 1.0], [1.0, 1.0]]))
+    torch.testing.assert_close(terms[1, :, 0], torch.tensor([tiny, torch.finfo(torch.float32).min * tiny, 1 / 48]))
+    torch.testing.assert_close(terms[2, :, 0], torch.tensor([scale, 2.0**12, 0.5]))
+    assert terms[3, 1, 0] == -math.inf and terms[3, 2, 0] == 1.0  # exp2(x · scale + inf) at x = -inf: NaN, as eager
 
 
 @pytest.mark.parametrize("idiom,wide", [("finfo_min", True), ("bool_masked_fill", False)])
