@@ -346,7 +346,7 @@ def test_rows_of_finite_huge_logits_train_as_eager():
 def test_a_row_of_huge_visible_logits_keeps_the_general_form_in_its_batch_entry():
     """A row whose logits are finite but too large to scale is wide in tiles the mask leaves entirely visible: its
     batch entry runs every tile in the general form (its scale and norm), the other entry's visible tiles the narrow
-    one. Here q's row 30 meets two equal keys (5 and 6, in a visible tile) at 2.5e10: its probabilities are 1/2 each
+    one. Here q's row 40 meets two equal keys (5 and 6, in a visible tile) at 2.5e10: its probabilities are 1/2 each
     (the narrow form would give inf). Output and gradients as eager's, but dK of its head: there q's 1e10 multiplies
     float32's rounding of p·(dp − delta) = 0, in eager's float32 as in the kernel."""
     generator = torch.Generator().manual_seed(3)
@@ -354,7 +354,7 @@ def test_a_row_of_huge_visible_logits_keeps_the_general_form_in_its_batch_entry(
     direction = torch.zeros(16)
     direction[0] = 1.0
     k[0, 1, 5] = k[0, 1, 6] = 10.0 * direction
-    q[0, 1, 30] = 1e10 * direction
+    q[0, 1, 40] = 1e10 * direction
     operands = [t.requires_grad_() for t in (q, k, v)]
     extras = {"attention_mask": torch.ones(2, 48, dtype=torch.long)}
     out, (dq, dk, dv), grad, code = train_on_cpu(_left_padded_decoder, operands, extras)
