@@ -296,16 +296,17 @@ def _rows_masked_by_bias(q, k, v):
     return torch.softmax(s + bias, -1) @ v
 
 
-def _causal_finfo_min_rows_masked_by_where(q, k, v):
-    """Wide statistics (a causal mask added as finfo.min) and rows whose logits are all -inf: the causal mask skips
-    tiles, but the -inf rows' NaN reaches every key's dV in eager."""
+def _causal_padded_rows_masked_by_where(q, k, v):
+    """Wide statistics (the last keys padded by an added finfo.min), a causal mask that skips tiles, and rows whose
+    logits are all -inf, whose NaN reaches every key's dV in eager."""
     s = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
-    rows = torch.arange(s.shape[-2], device=q.device)
-    causal = torch.full(s.shape[-2:], torch.finfo(s.dtype).min, dtype=s.dtype, device=q.device).triu(1)
-    return torch.softmax(torch.where((rows < 3)[:, None], float("-inf"), s + causal), -1) @ v
+    rows, cols = (torch.arange(size, device=q.device) for size in s.shape[-2:])
+    padding = torch.zeros(s.shape[-1], dtype=s.dtype, device=q.device).masked_fill(cols >= s.shape[-1] - 4, torch.finfo(s.dtype).min)
+    s = torch.where(cols[None, :] <= rows[:, None], s + padding, float("-inf"))
+    return torch.softmax(torch.where((rows < 3)[:, None], float("-inf"), s), -1) @ v
 
 
-@pytest.mark.parametrize("fn", [_rows_masked_by_where, _rows_masked_by_bias, _causal_finfo_min_rows_masked_by_where])
+@pytest.mark.parametrize("fn", [_rows_masked_by_where, _rows_masked_by_bias, _causal_padded_rows_masked_by_where])
 def test_fully_masked_rows_give_eagers_nan_and_zero_gradients(fn):
     """Rows whose logits are all -inf are NaN forward; backward, eager gives NaN or 0 by the chain's own derivative
     (a ``where`` passes 0 to the masked scores, an added -inf bias passes the NaN): the fused backward visits every
