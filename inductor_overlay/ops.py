@@ -385,24 +385,30 @@ def _row_statistics(chain: ScoreChain, q, kt, captured, sizes=(), sink=None) -> 
 
 # What the backward kernel reads of wide statistics: three terms per row ``[Z, 3, M]``, computed once per row in the
 # graph rather than in every tile of the kernel's column programs, so that ``P = exp2(logits · scale − shift) · norm``.
-# A row whose scaled max is below FOLDED_ROW_LIMIT (every row that keeps a key of a finfo.min mask) takes log2(l) into
-# its shift, as the narrow ``lse`` does, and a norm of 1; the others (a row the mask hides entirely) keep 1/l apart,
-# where ``shift + log2(l)`` would round ``l`` away.
+# A row whose scaled max is below FOLDED_ROW_LIMIT in magnitude (a row that keeps a key of a finfo.min mask, its
+# logits of ordinary size) takes log2(l) into its shift, as the narrow ``lse`` does, and a norm of 1; the others (a
+# row the mask hides entirely, a row of logits near 2^10 or beyond) keep 1/l apart, where ``shift + log2(l)`` would
+# round ``l`` away, and folding costs the exponent up to 2^-15 there (about 2e-5 of p, as the narrow ``lse`` does).
 FOLDED_ROW_LIMIT = 2.0**10
+# A row whose max, as the softmax sees it, lies below HIDDEN_ROW_MAX has every logit masked by an absorbing fill or
+# bias: the rows' kept logits lie above -2^123 (``block_sparsity.ABSORBING_FILL``, ``ABSORBING_BIAS_GAP``), so no
+# tile the mask leaves entirely visible holds it, and it does not keep its batch entry from the visible tiles'
+# narrow form (HF's left padding).
+HIDDEN_ROW_MAX = -(2.0**124)
 
 
 def backward_row_terms(lse: torch.Tensor, dense: torch.Tensor, folded_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Wide statistics ``[Z, 2, M]`` as the backward kernel reads them: each row's (scale, shift, norm) ``[Z, 3, M]``
-    (above), and per batch entry its flags (int32): 1 where a row is entirely -inf (``dense``), 2 where a row keeps
-    its norm apart (its tiles' probabilities need the norm: no tile of that entry runs in the visible tiles' narrow
-    form)."""
+    (above), and per batch entry its flags (int32): 1 where a row is entirely -inf (``dense``), 2 where a row that a
+    visible tile may hold keeps its norm apart (no tile of that entry runs in the visible tiles' narrow form)."""
     row_max, row_sum = lse[:, 0], lse[:, 1]
     known = torch.where(row_max == -math.inf, 0.0, row_max)
     scale = wide_row_scale(known, LOG2E * folded_scale)
     shift = known * scale
     folds = shift.abs() < FOLDED_ROW_LIMIT
     terms = torch.stack([scale, torch.where(folds, shift + torch.log2(row_sum), shift), torch.where(folds, 1.0, 1.0 / row_sum)], 1)
-    flags = dense.to(torch.int32) + 2 * (~folds).any(-1).to(torch.int32)
+    hidden = known * folded_scale < HIDDEN_ROW_MAX
+    flags = dense.to(torch.int32) + 2 * (~folds & ~hidden).any(-1).to(torch.int32)
     return terms, flags
 
 
@@ -468,8 +474,9 @@ def online_softmax_attention_backward(
     """The fused backward: the gradients of ``online_softmax_attention`` at ``grad_out`` ``[Z, M, Dv]`` with respect
     to the operands as the scores and output matmuls read them: ``dq [Z, M, D]``, ``dkt [Z, D, N]``, ``dv [Z, N, Dv]``.
     ``chain_vjp`` is the derivative of the chain, ``(scores, *captured, *sizes, grad_logits) -> grad_scores``;
-    ``lse`` the forward's row statistics, ``delta`` the rows' ``Σ_Dv grad_out · out`` (float32), ``dense`` per batch entry whether a
-    row is entirely masked (its backward visits every tile, as eager's gives NaN or 0 there). The kernel reads
+    ``lse`` the forward's row statistics (wide ones as ``backward_row_terms``' ``[Z, 3, M]`` terms), ``delta`` the rows'
+    ``Σ_Dv grad_out · out`` (float32), ``dense`` per batch entry whether a row is entirely masked (its backward
+    visits every tile, as eager's gives NaN or 0 there; with wide statistics, ``backward_row_terms``' int32 flags). The kernel reads
     those; run eagerly, the gradients come from autograd through the op's meaning, which needs none of them.
     ``read_vjps`` and ``gradient_reads`` (plain data): for each captured tensor whose gradient is wanted, the
     derivative of its read broadcast to the score shape and how the kernel sums it; one float32 partial each follows

@@ -330,15 +330,15 @@ def _left_padded_decoder(q, k, v, attention_mask):
 def test_rows_of_finite_huge_logits_train_as_eager():
     """Rows whose logits are all finfo.min keep their uniform probabilities in the backward (the wide statistics:
     the row's own scale, shift and 1/l apart, ``ops.backward_row_terms``), and the other rows stay exact beside
-    them. In the second batch entry every row keeps a key: there the entirely visible tiles run in the narrow form
-    (log2(l) in the shift)."""
-    operands = [torch.randn(2, 2, 40, 16).requires_grad_() for _ in range(3)]
-    attention_mask = (torch.arange(40)[None, :] >= torch.tensor([[5], [0]])).long()
+    them: no entirely visible tile holds those rows, and the visible tiles of both batch entries (rows 64–71, keys
+    32–63: the mask table's cells are 32 wide) run in the narrow form (log2(l) in the shift)."""
+    operands = [torch.randn(2, 2, 72, 16).requires_grad_() for _ in range(3)]
+    attention_mask = (torch.arange(72)[None, :] >= torch.tensor([[5], [0]])).long()
     out, grads, grad, code = train_on_cpu(_left_padded_decoder, operands, {"attention_mask": attention_mask})
     expected = _left_padded_decoder(*(t.detach().double() for t in operands), attention_mask)
     torch.testing.assert_close(out[0, :, :5].double(), expected[0, :, :5])  # the uniform rows
     assert_matches_eager(_left_padded_decoder, operands, {"attention_mask": attention_mask}, out, grads, grad)
-    assert_fused_training(code, 2 * 2 * 40 * 40)
+    assert_fused_training(code, 2 * 2 * 72 * 72)
     FileCheck().check("row_norm = tl.load").check("* row_norm").check("range(full_lo, full_hi").check(
         "* LOGIT_SCALE - row_shift"
     ).run(code[1])
@@ -368,13 +368,14 @@ def test_a_row_of_huge_visible_logits_keeps_the_general_form_in_its_batch_entry(
 def test_backward_row_terms_fold_the_rows_that_keep_a_key():
     """``ops.backward_row_terms`` on statistics made by hand: a row of ordinary logits folds log2(l) into its shift
     (norm 1); a row whose logits are all finfo.min, and one whose max is 2^12, keep the scale the forward chose and
-    1/l apart (flag 2 for their entries); a row of -inf is dense (flag 1)."""
+    1/l apart, and the latter flags its entry (2: a visible tile may hold it), where the former, hidden by its mask,
+    does not; a row of -inf is dense (flag 1)."""
     scale = ops.LOG2E * 0.25
     row_max = torch.tensor([[3.0, 2.0], [torch.finfo(torch.float32).min, 2.0], [2.0**12 / scale, 1.0], [-math.inf, 0.5]])
     row_sum = torch.tensor([[4.0, 2.0], [48.0, 1.0], [2.0, 1.0], [0.0, 3.0]])
     dense = (row_max == -math.inf).any(-1)
     terms, flags = ops.backward_row_terms(torch.stack([row_max, row_sum], 1), dense, 0.25)
-    assert flags.tolist() == [0, 2, 2, 1]
+    assert flags.tolist() == [0, 0, 2, 1]
     tiny = 2.0 ** math.floor(math.log2(scale))
     torch.testing.assert_close(terms[0], torch.tensor([[scale, scale], [3 * scale + 2.0, 2 * scale + 1.0], [1.0, 1.0]]))
     torch.testing.assert_close(terms[1, :, 0], torch.tensor([tiny, torch.finfo(torch.float32).min * tiny, 1 / 48]))
