@@ -363,8 +363,8 @@ def _backward_visible_loop(chain: ops.ScoreChain) -> bool:
     """Whether the backward runs the tiles its mask leaves entirely visible in a loop of their own, with the chain
     that drops the mask, as the forward does (the caller adds: not with captured gradients, whose reads stay per
     logit). Where the forward keeps wide statistics (finite logits too large to scale, e.g. a finfo.min mask), the
-    loop runs the narrow form of the probabilities, in the batch entries whose every row folds log2(l) into its shift
-    (``ops.backward_row_terms``). Not where the chain without its masks reads what the whole chain does not (the
+    loop runs the narrow form of the probabilities, in the batch entries whose rows fold log2(l) into their shifts
+    (a row hidden by the mask aside: ``ops.backward_row_terms``). Not where the chain without its masks reads what the whole chain does not (the
     first values of captured positions the forward computes from the tile): that form is not the one the backward
     runs."""
     return (config.backward_visible_loop and chain.unmasked_graph_module is not None
