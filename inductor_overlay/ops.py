@@ -366,6 +366,12 @@ def wide_row_scale(row_max: torch.Tensor, logit_scale: float) -> torch.Tensor:
     return torch.where((row_max * logit_scale).abs() < WIDE_ROW_LIMIT, logit_scale, tiny)
 
 
+def _known_max_and_scale(row_max: torch.Tensor, logit_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's max of wide logits with -inf (a row entirely masked) taken as 0, and the row's scale."""
+    known = torch.where(row_max == -math.inf, 0.0, row_max)
+    return known, wide_row_scale(known, logit_scale)
+
+
 def _row_statistics(chain: ScoreChain, q, kt, captured, sizes=(), sink=None) -> torch.Tensor:
     scores = _scores(chain, q, kt)
     z, (m, n) = math.prod(chain.batch_shape), scores.shape[-2:]
@@ -377,9 +383,8 @@ def _row_statistics(chain: ScoreChain, q, kt, captured, sizes=(), sink=None) -> 
     if not chain.wide_logits:
         return torch.logsumexp(logits * folded_scale, -1) * LOG2E
     row_max = logits.amax(-1)
-    known = torch.where(row_max == -math.inf, 0.0, row_max)
-    row_scale = wide_row_scale(known, logit_scale)[..., None]
-    total = torch.exp2(logits * row_scale - known[..., None] * row_scale).sum(-1)
+    known, row_scale = _known_max_and_scale(row_max, logit_scale)
+    total = torch.exp2(logits * row_scale[..., None] - known[..., None] * row_scale[..., None]).sum(-1)
     return torch.stack([row_max, total], 1)
 
 
@@ -397,17 +402,17 @@ FOLDED_ROW_LIMIT = 2.0**10
 HIDDEN_ROW_MAX = -(2.0**124)
 
 
-def backward_row_terms(lse: torch.Tensor, dense: torch.Tensor, folded_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+def backward_row_terms(lse: torch.Tensor, folded_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Wide statistics ``[Z, 2, M]`` as the backward kernel reads them: each row's (scale, shift, norm) ``[Z, 3, M]``
     (above), and per batch entry its flags (int32): 1 where a row is entirely -inf (``dense``), 2 where a row that a
     visible tile may hold keeps its norm apart (no tile of that entry runs in the visible tiles' narrow form)."""
     row_max, row_sum = lse[:, 0], lse[:, 1]
-    known = torch.where(row_max == -math.inf, 0.0, row_max)
-    scale = wide_row_scale(known, LOG2E * folded_scale)
+    known, scale = _known_max_and_scale(row_max, LOG2E * folded_scale)
     shift = known * scale
     folds = shift.abs() < FOLDED_ROW_LIMIT
     terms = torch.stack([scale, torch.where(folds, shift + torch.log2(row_sum), shift), torch.where(folds, 1.0, 1.0 / row_sum)], 1)
     hidden = known * folded_scale < HIDDEN_ROW_MAX
+    dense = (row_max == -math.inf).any(-1)
     flags = dense.to(torch.int32) + 2 * (~folds & ~hidden).any(-1).to(torch.int32)
     return terms, flags
 
@@ -436,8 +441,7 @@ def sink_gradient(lse, delta, sink, decisions: dict) -> torch.Tensor:
         probability = torch.exp2(sink * (sink_scale * LOG2E) - lse)
     else:
         row_max, row_sum = lse[:, 0], lse[:, 1]
-        known = torch.where(row_max == -math.inf, 0.0, row_max)
-        row_scale = wide_row_scale(known, LOG2E * folded_scale)
+        known, row_scale = _known_max_and_scale(row_max, LOG2E * folded_scale)
         probability = torch.exp2((sink * (sink_scale / folded_scale) - known) * row_scale) / row_sum
     return -(probability * delta) * sink_scale
 

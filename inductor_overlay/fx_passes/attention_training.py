@@ -445,14 +445,12 @@ def _softmax_terms(fwd: TrainingForward, grad_out: torch.fx.Node, shape: list) -
         call_op(graph, prims.convert_element_type.default, (out, torch.float32)),
     ))
     delta = call_op(graph, aten.sum.dim_IntList, (products, [-1]))
-    row_max = call_op(graph, aten.select.int, (fwd.lse, 1, 0)) if fwd.chain.wide_logits else fwd.lse
-    row_floor = call_op(graph, aten.amin.default, (row_max, [-1]))
-    dense = call_op(graph, aten.eq.Scalar, (row_floor, -math.inf))
-    if not fwd.chain.wide_logits:
-        return fwd.lse, delta, dense
-    _, folded_scale = ops.differentiated_chain(fwd.chain)  # the scale of the chain whose statistics the kernel reads
-    terms, flags = call_traced(graph, lambda lse, dense: ops.backward_row_terms(lse, dense, folded_scale), [fwd.lse, dense])
-    return terms, delta, flags
+    if fwd.chain.wide_logits:
+        _, folded_scale = ops.differentiated_chain(fwd.chain)  # the scale of the chain whose statistics the kernel reads
+        terms, flags = call_traced(graph, lambda lse: ops.backward_row_terms(lse, folded_scale), [fwd.lse])
+        return terms, delta, flags
+    row_floor = call_op(graph, aten.amin.default, (fwd.lse, [-1]))
+    return fwd.lse, delta, call_op(graph, aten.eq.Scalar, (row_floor, -math.inf))
 
 
 def _sink_gradient(region: AttentionRegion, fwd: TrainingForward, delta: torch.fx.Node) -> torch.fx.Node:
